@@ -1,0 +1,107 @@
+"""The host tier's configuration: one frozen dataclass, parsed once at the boundary.
+
+Both routes end here: the `--enable-cpu-offload` / `--swap-space` flags and an explicit
+`--kv-transfer-config` that names our connector with its `kv_connector_extra_config`.
+Bad values raise `OffloadConfigError` (a `ValueError`) with a one-line message that names
+the fix. This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CONNECTOR_NAME = "CPUOffloadConnector"
+CONNECTOR_MODULE = "vllm_cpu_offload.connector"
+
+# The size `--swap-space` had in vLLM before it was removed; used when only
+# `--enable-cpu-offload` is given.
+DEFAULT_SWAP_SPACE_GIB = 4.0
+
+EVICTION_POLICIES = ("prefix_aware", "lru")
+DEFAULT_EVICTION_POLICY = "prefix_aware"
+
+GIB = 1 << 30
+
+
+class OffloadConfigError(ValueError):
+    """Bad user input for the host tier; the message is one line and names the fix."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What the host tier needs to know, validated.
+
+    Attributes:
+        swap_space_gib: host memory for offloaded KV blocks, per worker, in GiB.
+        eviction_policy: which host-tier eviction policy to use.
+    """
+
+    swap_space_gib: float = DEFAULT_SWAP_SPACE_GIB
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space_gib * GIB)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return {"swap_space_gib": self.swap_space_gib, "eviction_policy": self.eviction_policy}
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> OffloadConfig:
+        """Parses `kv_connector_extra_config`; unknown keys and bad values raise."""
+        extra = dict(extra or {})
+        allowed = ("swap_space_gib", "eviction_policy")
+        unknown = sorted(set(extra) - set(allowed))
+        if unknown:
+            raise OffloadConfigError(
+                f"unknown key(s) {', '.join(map(repr, unknown))} in kv_connector_extra_config "
+                f"of {CONNECTOR_NAME}; allowed keys: {', '.join(allowed)}"
+            )
+        swap = parse_swap_space(
+            extra.get("swap_space_gib", DEFAULT_SWAP_SPACE_GIB), "swap_space_gib"
+        )
+        policy = extra.get("eviction_policy", DEFAULT_EVICTION_POLICY)
+        if policy not in EVICTION_POLICIES:
+            raise OffloadConfigError(
+                f"eviction_policy {policy!r} is not known; choose one of: "
+                f"{', '.join(EVICTION_POLICIES)}"
+            )
+        return cls(swap_space_gib=swap, eviction_policy=policy)
+
+
+def parse_swap_space(value: object, name: str = "--swap-space") -> float:
+    """Returns the swap space in GiB as a positive finite float, or raises."""
+    if isinstance(value, bool):
+        raise OffloadConfigError(f"{name} must be a number of GiB, got {value!r}")
+    try:
+        gib = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise OffloadConfigError(
+            f"{name} must be a number of GiB (e.g. {name} 8), got {value!r}"
+        ) from None
+    if not math.isfinite(gib) or gib <= 0:
+        raise OffloadConfigError(
+            f"{name} must be a positive number of GiB (e.g. {name} 8), got {value!r}"
+        )
+    return gib
+
+
+def available_host_memory_bytes() -> int:
+    """Host memory that can be allocated now (MemAvailable), in bytes."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_fits_in_host_memory(config: OffloadConfig, num_workers: int = 1) -> None:
+    """Refuses a swap space larger than the host memory available now."""
+    wanted = config.swap_space_bytes * num_workers
+    available = available_host_memory_bytes()
+    if wanted > available:
+        raise OffloadConfigError(
+            f"--swap-space {config.swap_space_gib:g} GiB x {num_workers} worker(s) exceeds the "
+            f"{available / GIB:.1f} GiB of host memory available; lower --swap-space"
+        )

