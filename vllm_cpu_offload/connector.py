@@ -1,0 +1,200 @@
+"""`CPUOffloadConnector`: the thin KV connector that joins vLLM to the host tier.
+
+It only forwards: the scheduler role to `HostTierScheduler` (engine core process), the
+worker role to `HostTierWorker` (each worker). Both roles size the host tier the same way,
+from `--swap-space` and the KV bytes of one block in this worker's shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_cpu_offload.config import GIB, OffloadConfig, OffloadConfigError
+from vllm_cpu_offload.events import pool_events_to_kv_events
+from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
+from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
+from vllm_cpu_offload.scheduler.policies import make_policy
+from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from vllm_cpu_offload.worker.tier_worker import HostTierWorker
+
+
+def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
+    """KV bytes of one block over all layers of this worker's shard."""
+    return sum(
+        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        for group in kv_cache_config.kv_cache_groups
+    )
+
+
+def num_host_blocks_for(config: OffloadConfig, block_bytes: int) -> int:
+    """How many blocks `--swap-space` holds; refuses a size that holds none."""
+    blocks = config.swap_space_bytes // block_bytes
+    if blocks < 1:
+        raise OffloadConfigError(
+            f"--swap-space {config.swap_space_gib:g} GiB holds no KV block of "
+            f"{block_bytes / (1 << 20):.2f} MiB; raise --swap-space to at least "
+            f"{block_bytes / GIB:.4f}"
+        )
+    return blocks
+
+
+class CPUOffloadConnector(KVConnectorBase_V1):
+    """Keeps evicted KV blocks in host memory and loads them back within the step."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        self.offload_config = OffloadConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
+        block_bytes = block_bytes_of(kv_cache_config)
+        self.num_host_blocks = num_host_blocks_for(self.offload_config, block_bytes)
+        self.scheduler: HostTierScheduler | None = None
+        self.worker: HostTierWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            pool = HostBlockPool(
+                self.num_host_blocks,
+                make_policy(self.offload_config.eviction_policy, self.num_host_blocks),
+            )
+            parallel = vllm_config.parallel_config
+            self.scheduler = HostTierScheduler(
+                pool,
+                block_size=vllm_config.cache_config.block_size,
+                num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+                block_bytes=block_bytes,
+            )
+        else:
+            from vllm_cpu_offload.worker.tier_worker import HostTierWorker
+
+            self.worker = HostTierWorker(self.num_host_blocks)
+
+    def _sched(self) -> HostTierScheduler:
+        assert self.scheduler is not None, "scheduler-side method called on a worker"
+        return self.scheduler
+
+    def _work(self) -> HostTierWorker:
+        assert self.worker is not None, "worker-side method called on the scheduler"
+        return self.worker
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    @override
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    @override
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, OffloadStepMetadata)
+        self._work().handle_preemptions(kv_connector_metadata)
+
+    @override
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, OffloadStepMetadata)
+        self._work().start_step(metadata)
+
+    @override
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work().wait_for_layer_load(layer_name)
+
+    @override
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        self._work().save_layer(layer_name)
+
+    @override
+    def wait_for_save(self) -> None:
+        self._work().finish_step()
+
+    @override
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._work().get_finished(), None
+
+    @override
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_load_errors()
+
+    @override
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._work().take_report()
+
+    @override
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    @override
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched().bind_kv_cache_manager(kv_cache_manager)
+
+    @override
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens), False
+
+    @override
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self._sched().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    @override
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    @override
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        assert report is None or isinstance(report, OffloadWorkerReport)
+        self._sched().update_connector_output(report)
+
+    @override
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request), None
+
+    @override
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return pool_events_to_kv_events(self._sched().take_pool_events(), self._sched().stats)
+
+    @override
+    def reset_cache(self) -> bool | None:
+        return self._sched().reset_cache()

@@ -1,0 +1,233 @@
+"""The scheduler half of the connector: decides what to load, what to store, when to free.
+
+It runs inside every engine step of vLLM's scheduler and forwards bookkeeping to the
+`HostBlockPool`. Everything is keyed by vLLM's own block hashes (`request.block_hashes`,
+with the KV cache group id), so `cache_salt` isolation and LoRA keys hold for free.
+
+Invariants (tests in tests/unit/test_tier_scheduler.py and tests/e2e):
+- A host block being loaded is pinned from the step that plans the load until every worker
+  reported the load; pinned blocks are never evicted or overwritten.
+- A device block being stored stays allocated until the store finished: finished requests
+  with stores in flight are freed late (`request_finished` returns True) and preempted
+  requests make the workers drain their stores before the blocks are reused.
+- Stored blocks become visible to lookups only after every worker reported the store.
+- Lookups return a contiguous run of whole blocks that starts right after the device hit and
+  leaves at least one prompt token to compute.
+Loads complete within the step that plans them (no asynchronous wait), so two requests that
+share a prefix never both load it: the second one finds the first one's device blocks in
+vLLM's prefix cache, which caches them at allocation.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
+from vllm_cpu_offload.scheduler.block_pool import BlockKey, HostBlockPool
+from vllm_cpu_offload.scheduler.tier_stats import TierStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+KV_GROUP = 0  # the connector runs with the hybrid allocator off: one KV cache group
+
+
+@dataclass
+class _Job:
+    kind: Literal["load", "store"]
+    req_id: str
+    keys: list[BlockKey]
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    # Blocks [0, planned_upto) were stored, are being stored, or were skipped.
+    planned_upto: int = 0
+    # (first block, blocks) of the last lookup, for the load plan after allocation.
+    lookup: tuple[int, int] = (0, 0)
+    store_jobs: set[int] = field(default_factory=set)
+
+
+class HostTierScheduler:
+    """Plans the host tier's transfers; one instance in the engine core process."""
+
+    def __init__(
+        self,
+        pool: HostBlockPool,
+        block_size: int,
+        num_workers: int,
+        block_bytes: int,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.num_workers = num_workers
+        self.stats = TierStats(block_bytes=block_bytes)
+        self._kv_cache_manager: Any = None
+        self._requests: dict[str, _RequestState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._reports: Counter[int] = Counter()
+        self._next_job_id = 0
+        self._step_loads: list[BlockTransfer] = []
+        self._delayed_free: list[str] = []
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    # ---- lookups and loads -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens past the device hit that the host tier holds, in whole blocks."""
+        state = self._state(request)
+        first = num_computed_tokens // self.block_size
+        # At least one token must be computed to sample from.
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        hits = self.pool.count_hits(_keys(request.block_hashes, first, last)) if last > first else 0
+        state.lookup = (first, hits)
+        self.stats.lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
+        return hits * self.block_size
+
+    def update_state_after_alloc(
+        self, request: Request, device_block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Plans the load of the host hit into the device blocks vLLM just allocated."""
+        state = self._state(request)
+        if num_external_tokens == 0:
+            return
+        first, hits = state.lookup
+        count = num_external_tokens // self.block_size
+        assert count * self.block_size == num_external_tokens and count <= hits
+        keys = _keys(request.block_hashes, first, first + count)
+        host_ids = self.pool.pin(keys)
+        job = self._new_job("load", request.request_id, keys)
+        self._step_loads.append(
+            BlockTransfer(
+                job, request.request_id, list(device_block_ids[first : first + count]), host_ids
+            )
+        )
+        # The loaded blocks are in the host tier already: never store them again.
+        state.planned_upto = max(state.planned_upto, first + count)
+        self.stats.hit_tokens += num_external_tokens
+        self.stats.loaded_blocks += count
+
+    # ---- the step's metadata -----------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadStepMetadata:
+        """This step's loads, and stores for the blocks that become full during the step."""
+        meta = OffloadStepMetadata(
+            loads=self._step_loads,
+            delayed_free_req_ids=self._delayed_free,
+            preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
+        )
+        self._step_loads, self._delayed_free = [], []
+        for req_id in meta.preempted_req_ids:
+            if (state := self._requests.get(req_id)) is not None:
+                # Its device blocks are gone; on resume, the lookup finds what was stored.
+                state.planned_upto = 0
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is not None:
+                store = self._plan_store(state, num_tokens)
+                if store is not None:
+                    meta.stores.append(store)
+        return meta
+
+    def _plan_store(self, state: _RequestState, num_scheduled: int) -> BlockTransfer | None:
+        request = state.request
+        full = min(
+            len(request.block_hashes),
+            (request.num_computed_tokens + num_scheduled) // self.block_size,
+        )
+        first = state.planned_upto
+        if full <= first:
+            return None
+        state.planned_upto = full
+        keys = _keys(request.block_hashes, first, full)
+        parent = (KV_GROUP, request.block_hashes[first - 1]) if first > 0 else None
+        allocated = self.pool.allocate_for_store(keys, parent)
+        if not allocated:
+            return None
+        index = {key: i for i, key in enumerate(keys)}
+        device_ids = self._kv_cache_manager.get_block_ids(request.request_id)[KV_GROUP]
+        job = self._new_job("store", request.request_id, [key for key, _ in allocated])
+        state.store_jobs.add(job)
+        return BlockTransfer(
+            job,
+            request.request_id,
+            [device_ids[first + index[key]] for key, _ in allocated],
+            [host_id for _, host_id in allocated],
+        )
+
+    # ---- completions -------------------------------------------------------------------
+
+    def update_connector_output(self, report: OffloadWorkerReport | None) -> None:
+        """Finished stores become visible; finished loads unpin their host blocks."""
+        if report is None:
+            return
+        for job_id in report.failed:
+            if job_id in self._jobs:
+                self._complete(job_id, success=False)
+        for job_id, count in report.finished.items():
+            if job_id not in self._jobs:
+                continue
+            self._reports[job_id] += count
+            if self._reports[job_id] >= self.num_workers:
+                self._complete(job_id, success=True)
+
+    def _complete(self, job_id: int, success: bool) -> None:
+        job = self._jobs.pop(job_id)
+        self._reports.pop(job_id, None)
+        if job.kind == "load":
+            self.pool.unpin(job.keys)
+            if not success:
+                self.stats.failed_loads += 1
+            return
+        self.pool.complete_store(job.keys, success)
+        if success:
+            self.stats.stored_blocks += len(job.keys)
+        else:
+            self.stats.failed_stores += 1
+        state = self._requests.get(job.req_id)
+        if state is not None:
+            state.store_jobs.discard(job_id)
+
+    def request_finished(self, request: Request) -> bool:
+        """Returns True when the request's device blocks must outlive its stores."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None or not state.store_jobs:
+            return False
+        self._delayed_free.append(request.request_id)
+        return True
+
+    def reset_cache(self) -> bool:
+        self.pool.reset()
+        return True
+
+    def take_pool_events(self) -> Iterable[Any]:
+        return self.pool.take_events()
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request)
+        return state
+
+    def _new_job(self, kind: Literal["load", "store"], req_id: str, keys: list[BlockKey]) -> int:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._jobs[job_id] = _Job(kind, req_id, keys)
+        return job_id
+
+    @property
+    def num_jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+
+def _keys(block_hashes: Sequence[Any], first: int, last: int) -> list[BlockKey]:
+    return [(KV_GROUP, block_hashes[i]) for i in range(first, last)]

@@ -1,0 +1,27 @@
+"""Counters of the host tier kept by the scheduler half, read by the metrics layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TierStats:
+    """Monotonic counters since start; `block_bytes` is one block over all layers."""
+
+    block_bytes: int
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    loaded_blocks: int = 0
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+    failed_loads: int = 0
+    failed_stores: int = 0
+
+    @property
+    def loaded_bytes(self) -> int:
+        return self.loaded_blocks * self.block_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.stored_blocks * self.block_bytes

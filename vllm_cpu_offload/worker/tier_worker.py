@@ -1,0 +1,119 @@
+"""The worker half of the connector: runs each step's loads and stores, reports jobs back.
+
+One instance per worker. It owns the host buffer (through the transfer engine), and keeps
+the book of which finished requests still wait for their stores, so that their device
+blocks are freed only after the copies read them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+
+from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
+from vllm_cpu_offload.worker.host_buffer import HostBuffer
+from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine, TransferJob
+
+logger = logging.getLogger(__name__)
+
+
+def _job(transfer: BlockTransfer) -> TransferJob:
+    return TransferJob(transfer.job_id, transfer.device_block_ids, transfer.host_block_ids)
+
+
+class HostTierWorker:
+    """Drives the transfer engine through one engine step at a time."""
+
+    def __init__(self, num_host_blocks: int) -> None:
+        self.num_host_blocks = num_host_blocks
+        self.engine: TransferEngine | None = None
+        self._step_stores: list[TransferJob] = []
+        self._store_req: dict[int, str] = {}  # store job in flight -> request
+        self._load_device_blocks: dict[int, list[int]] = {}  # load in flight -> device ids
+        self._stores_in_flight: Counter[str] = Counter()  # request -> store jobs in flight
+        self._awaiting_free: set[str] = set()  # finished requests the scheduler holds
+        self._report = OffloadWorkerReport()
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.engine = TransferEngine(kv_caches, HostBuffer.for_kv_caches(kv_caches, self.num_host_blocks))
+
+    def _engine(self) -> TransferEngine:
+        assert self.engine is not None, "register_kv_caches was not called"
+        return self.engine
+
+    def handle_preemptions(self, metadata: OffloadStepMetadata) -> None:
+        """Preempted requests' device blocks can be reused this step: drain their stores."""
+        if any(self._stores_in_flight[r] for r in metadata.preempted_req_ids):
+            self._engine().wait_all()
+            self._collect(self._engine().poll_finished())
+
+    def start_step(self, metadata: OffloadStepMetadata) -> None:
+        engine = self._engine()
+        self._awaiting_free.update(metadata.delayed_free_req_ids)
+        for transfer in metadata.stores:
+            self._store_req[transfer.job_id] = transfer.req_id
+            self._stores_in_flight[transfer.req_id] += 1
+        self._step_stores = [_job(t) for t in metadata.stores]
+        if metadata.loads:
+            for t in metadata.loads:
+                self._load_device_blocks[t.job_id] = t.device_block_ids
+            engine.start_loads([_job(t) for t in metadata.loads])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._engine().wait_for_layer_load(layer_name)
+
+    def save_layer(self, layer_name: str) -> None:
+        if self._step_stores:
+            self._engine().store_layer(layer_name, self._step_stores)
+
+    def finish_step(self) -> None:
+        if self.engine is None:
+            return
+        self.engine.finish_step()
+        self._step_stores = []
+
+    def get_finished(self) -> set[str] | None:
+        """Finished requests held by the scheduler whose stores are all done."""
+        if self.engine is None:
+            return None
+        self._collect(self.engine.poll_finished())
+        done = {r for r in self._awaiting_free if not self._stores_in_flight[r]}
+        self._awaiting_free -= done
+        for r in done:
+            del self._stores_in_flight[r]
+        return done or None
+
+    def _collect(self, finished: FinishedJobs) -> None:
+        for job_id in finished.failed:
+            self._report.failed.add(job_id)
+            if job_id in self._load_device_blocks:
+                # vLLM recomputes the tokens of these blocks: a miss, never a wrong token.
+                self._load_errors.update(self._load_device_blocks.pop(job_id))
+            self._store_done(job_id)
+        for job_id in (*finished.stores, *finished.loads):
+            self._report.finished[job_id] += 1
+            self._load_device_blocks.pop(job_id, None)
+            self._store_done(job_id)
+
+    def _store_done(self, job_id: int) -> None:
+        req_id = self._store_req.pop(job_id, None)
+        if req_id is not None:
+            self._stores_in_flight[req_id] -= 1
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_report(self) -> OffloadWorkerReport | None:
+        report = self._report
+        if not report.finished and not report.failed:
+            return None
+        self._report = OffloadWorkerReport()
+        return report
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.wait_all()
