@@ -21,8 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_cpu_offload.config import GIB, OffloadConfig, OffloadConfigError
-from vllm_cpu_offload.events import pool_events_to_kv_events
+from vllm_cpu_offload.events import to_kv_events
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
+from vllm_cpu_offload.metrics import OffloadPromMetrics, OffloadStats, SchedulerStatsReporter
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.policies import make_policy
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
@@ -30,6 +31,12 @@ from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -76,6 +83,9 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         )
         block_bytes = block_bytes_of(kv_cache_config)
         self.num_host_blocks = num_host_blocks_for(self.offload_config, block_bytes)
+        events_config = vllm_config.kv_events_config
+        self._publish_events = bool(events_config and events_config.enable_kv_cache_events)
+        self._stats_reporter = SchedulerStatsReporter()
         self.scheduler: HostTierScheduler | None = None
         self.worker: HostTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -193,8 +203,35 @@ class CPUOffloadConnector(KVConnectorBase_V1):
 
     @override
     def take_events(self) -> Iterable[KVCacheEvent]:
-        return pool_events_to_kv_events(self._sched().take_pool_events(), self._sched().stats)
+        events = self._sched().take_pool_events()
+        if not self._publish_events:
+            return ()
+        return list(to_kv_events(events, self._sched().block_size))
 
     @override
     def reset_cache(self) -> bool | None:
         return self._sched().reset_cache()
+
+    # ---- metrics (both sides) -----------------------------------------------------------
+
+    @override
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.scheduler is not None:
+            return self._stats_reporter.take(self.scheduler.stats, self.scheduler.pool.usage)
+        return self._work().take_stats()
+
+    @classmethod
+    @override
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return OffloadStats(data=dict(data or {}))
+
+    @classmethod
+    @override
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -123,8 +123,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
         "--swap-space",
         type=str,
         default=None,
-        help="Host memory for offloaded KV blocks, in GiB per worker. Needs "
-        "--enable-cpu-offload.",
+        help="Host memory for offloaded KV blocks, in GiB per worker. Needs --enable-cpu-offload.",
     )
 
 

@@ -21,12 +21,12 @@ vLLM's prefix cache, which caches them at allocation.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
-from vllm_cpu_offload.scheduler.block_pool import BlockKey, HostBlockPool
+from vllm_cpu_offload.scheduler.block_pool import BlockKey, HostBlockPool, PoolEvent
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
 if TYPE_CHECKING:
@@ -207,8 +207,13 @@ class HostTierScheduler:
         self.pool.reset()
         return True
 
-    def take_pool_events(self) -> Iterable[Any]:
-        return self.pool.take_events()
+    def take_pool_events(self) -> list[PoolEvent]:
+        """The pool's events since the last call; counts evictions on the way."""
+        events = self.pool.take_events()
+        for event in events:
+            if event.kind == "evicted":
+                self.stats.evicted_blocks += len(event.keys)
+        return events
 
     # ---- helpers -----------------------------------------------------------------------
 

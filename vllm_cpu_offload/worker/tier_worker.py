@@ -8,11 +8,13 @@ blocks are freed only after the copies read them.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 import torch
 
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
+from vllm_cpu_offload.metrics import OffloadStats
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine, TransferJob
 
@@ -36,9 +38,15 @@ class HostTierWorker:
         self._awaiting_free: set[str] = set()  # finished requests the scheduler holds
         self._report = OffloadWorkerReport()
         self._load_errors: set[int] = set()
+        # Seconds this worker's steps spent in transfer calls since the last stats report:
+        # the copies themselves on the CPU platform, queueing and waits on CUDA.
+        self._load_seconds = 0.0
+        self._store_seconds = 0.0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.engine = TransferEngine(kv_caches, HostBuffer.for_kv_caches(kv_caches, self.num_host_blocks))
+        self.engine = TransferEngine(
+            kv_caches, HostBuffer.for_kv_caches(kv_caches, self.num_host_blocks)
+        )
 
     def _engine(self) -> TransferEngine:
         assert self.engine is not None, "register_kv_caches was not called"
@@ -60,14 +68,20 @@ class HostTierWorker:
         if metadata.loads:
             for t in metadata.loads:
                 self._load_device_blocks[t.job_id] = t.device_block_ids
+            start = time.perf_counter()
             engine.start_loads([_job(t) for t in metadata.loads])
+            self._load_seconds += time.perf_counter() - start
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        start = time.perf_counter()
         self._engine().wait_for_layer_load(layer_name)
+        self._load_seconds += time.perf_counter() - start
 
     def save_layer(self, layer_name: str) -> None:
         if self._step_stores:
+            start = time.perf_counter()
             self._engine().store_layer(layer_name, self._step_stores)
+            self._store_seconds += time.perf_counter() - start
 
     def finish_step(self) -> None:
         if self.engine is None:
@@ -113,6 +127,15 @@ class HostTierWorker:
             return None
         self._report = OffloadWorkerReport()
         return report
+
+    def take_stats(self) -> OffloadStats | None:
+        if not self._load_seconds and not self._store_seconds:
+            return None
+        stats = OffloadStats(
+            data={"load_seconds": self._load_seconds, "store_seconds": self._store_seconds}
+        )
+        self._load_seconds = self._store_seconds = 0.0
+        return stats
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -1,0 +1,67 @@
+"""Engines for the end-to-end tests: real vLLM on the CPU platform, in this process.
+
+The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that tests can read
+the connector's scheduler and worker halves directly; one engine per module keeps the suite
+inside CI's budget. The device KV cache is made small (num_gpu_blocks_override) so that
+blocks are evicted from it and must come back from host memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+from tests.conftest import BLOCK_SIZE  # noqa: E402
+
+DEVICE_BLOCKS = 24  # 768 tokens of device KV cache
+HOST_GIB = 0.01  # 163 blocks of the tiny model (64 KiB each)
+MAX_MODEL_LEN = 512
+
+
+def make_llm(model: str, offload: bool, **overrides: Any) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=DEVICE_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=8,
+        dtype="bfloat16",
+        seed=0,
+    )
+    if offload:
+        kwargs |= dict(enable_cpu_offload=True, swap_space=HOST_GIB)
+    kwargs |= overrides
+    return LLM(model, **kwargs)
+
+
+def shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def scheduler_connector(llm: Any) -> Any:
+    """The scheduler half of our connector inside the in-process engine core."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def worker_connector() -> Any:
+    """The worker half (the single CPU worker runs in this process too)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+@pytest.fixture(scope="module")
+def offload_llm(tiny_model: str) -> Iterator[Any]:
+    llm = make_llm(tiny_model, offload=True)
+    yield llm
+    shutdown(llm)

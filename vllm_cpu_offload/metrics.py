@@ -1,0 +1,123 @@
+"""Prometheus metrics of the host tier, on `vllm serve`'s /metrics endpoint.
+
+Each engine step, the scheduler half (hits, blocks, evictions, usage) and each worker half
+(time spent on transfers) hand vLLM an `OffloadStats` of what changed since the last step;
+vLLM aggregates them, ships them to the API server and calls `OffloadPromMetrics.observe`.
+The payload is a flat dict of plain numbers so that it crosses processes as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+from vllm_cpu_offload.scheduler.tier_stats import TierStats
+
+PREFIX = "vllm:cpu_offload_"
+
+# stats key -> help text; exposed as counters named PREFIX + key (+ "_total").
+COUNTERS = {
+    "lookup_tokens": "Prompt tokens past the device prefix hit that were looked up in host memory.",
+    "hit_tokens": "Prompt tokens loaded from host memory instead of recomputed.",
+    "stored_blocks": "KV blocks copied to host memory.",
+    "loaded_blocks": "KV blocks copied back from host memory.",
+    "stored_bytes": "Bytes of KV copied to host memory.",
+    "loaded_bytes": "Bytes of KV copied back from host memory.",
+    "evicted_blocks": "KV blocks evicted from host memory.",
+    "failed_transfers": "Loads and stores that failed (each costs a recompute or a miss).",
+    "load_seconds": "Seconds the workers spent on loads.",
+    "store_seconds": "Seconds the workers spent on stores.",
+}
+# stats key -> help text; gauges keep the latest value.
+GAUGES = {
+    "host_usage_perc": "Fraction of the host tier's blocks in use (0-1).",
+}
+
+_SCHEDULER_COUNTERS = (
+    "lookup_tokens", "hit_tokens", "stored_blocks", "loaded_blocks", "evicted_blocks",
+)  # fmt: skip
+
+
+@dataclass
+class OffloadStats(KVConnectorStats):
+    """Counter increments and gauge values since the last report."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if key in GAUGES:
+                self.data[key] = value
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: round(value, 4) for key, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class SchedulerStatsReporter:
+    """Turns the scheduler half's running totals into per-step increments."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def take(self, stats: TierStats, usage: float) -> OffloadStats:
+        now = {key: int(getattr(stats, key)) for key in _SCHEDULER_COUNTERS}
+        now["stored_bytes"] = stats.stored_bytes
+        now["loaded_bytes"] = stats.loaded_bytes
+        now["failed_transfers"] = stats.failed_loads + stats.failed_stores
+        data: dict[str, Any] = {
+            key: value - self._last.get(key, 0)
+            for key, value in now.items()
+            if value != self._last.get(key, 0)
+        }
+        self._last = now
+        data["host_usage_perc"] = usage
+        return OffloadStats(data=data)
+
+
+class OffloadPromMetrics(KVConnectorPromMetrics):
+    """Registers the host tier's counters and gauges, one child per engine."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._children: dict[str, dict[int, Any]] = {}
+        for key, doc in COUNTERS.items():
+            self._register(self._counter_cls, key, doc)
+        for key, doc in GAUGES.items():
+            self._register(self._gauge_cls, key, doc)
+
+    def _register(self, cls: Any, key: str, doc: str) -> None:
+        metric = cls(name=PREFIX + key, documentation=doc, labelnames=self._labelnames)
+        self._children[key] = {
+            idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            child = self._children.get(key, {}).get(engine_idx)
+            if child is None:
+                continue
+            if key in GAUGES:
+                child.set(value)
+            elif value > 0:
+                child.inc(value)
