@@ -1,7 +1,17 @@
 """A second KV-cache tier in host memory for vLLM's v1 engine.
 
-Importing this package does not import vLLM: the worker-side kernels and the
-transfer engine must load on machines that have only torch and triton.
+`import vllm_cpu_offload` applies the plugin at once where vLLM is installed, so that
+`LLM(model, enable_cpu_offload=True, swap_space=8)` works in a script (vLLM itself loads the
+plugin only after it has built its `EngineArgs`). Where vLLM is absent (a GPU box that only
+benchmarks the kernels) nothing is imported: the worker-side kernels and the transfer engine
+need torch and triton only.
 """
 
+import importlib.util
+
 __version__ = "0.1.0"
+
+if importlib.util.find_spec("vllm") is not None:
+    from vllm_cpu_offload.plugin import register as _register
+
+    _register()

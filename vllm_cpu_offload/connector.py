@@ -103,7 +103,7 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         else:
             from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
-            self.worker = HostTierWorker(self.num_host_blocks)
+            self.worker = HostTierWorker(self.num_host_blocks, kv_cache_config.num_blocks)
 
     def _sched(self) -> HostTierScheduler:
         assert self.scheduler is not None, "scheduler-side method called on a worker"
@@ -125,10 +125,18 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         self._work().handle_preemptions(kv_connector_metadata)
 
     @override
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Bound before the forward; start_load_kv may come after it when the step loads
+        # nothing, so the step's stores are registered here.
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, OffloadStepMetadata)
+        self._work().begin_step(connector_metadata)
+
+    @override
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, OffloadStepMetadata)
-        self._work().start_step(metadata)
+        self._work().start_loads(metadata)
 
     @override
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -28,8 +28,9 @@ def _job(transfer: BlockTransfer) -> TransferJob:
 class HostTierWorker:
     """Drives the transfer engine through one engine step at a time."""
 
-    def __init__(self, num_host_blocks: int) -> None:
+    def __init__(self, num_host_blocks: int, num_device_blocks: int) -> None:
         self.num_host_blocks = num_host_blocks
+        self.num_device_blocks = num_device_blocks
         self.engine: TransferEngine | None = None
         self._step_stores: list[TransferJob] = []
         self._store_req: dict[int, str] = {}  # store job in flight -> request
@@ -44,9 +45,10 @@ class HostTierWorker:
         self._store_seconds = 0.0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.engine = TransferEngine(
-            kv_caches, HostBuffer.for_kv_caches(kv_caches, self.num_host_blocks)
+        host = HostBuffer.for_kv_caches(
+            kv_caches, self.num_host_blocks, num_blocks=self.num_device_blocks
         )
+        self.engine = TransferEngine(kv_caches, host)
 
     def _engine(self) -> TransferEngine:
         assert self.engine is not None, "register_kv_caches was not called"
@@ -58,19 +60,23 @@ class HostTierWorker:
             self._engine().wait_all()
             self._collect(self._engine().poll_finished())
 
-    def start_step(self, metadata: OffloadStepMetadata) -> None:
-        engine = self._engine()
+    def begin_step(self, metadata: OffloadStepMetadata) -> None:
+        """Registers the step's stores and delayed frees; called before the forward."""
         self._awaiting_free.update(metadata.delayed_free_req_ids)
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
         self._step_stores = [_job(t) for t in metadata.stores]
-        if metadata.loads:
-            for t in metadata.loads:
-                self._load_device_blocks[t.job_id] = t.device_block_ids
-            start = time.perf_counter()
-            engine.start_loads([_job(t) for t in metadata.loads])
-            self._load_seconds += time.perf_counter() - start
+
+    def start_loads(self, metadata: OffloadStepMetadata) -> None:
+        """Queues the step's loads; vLLM calls this before the forward when there are any."""
+        if not metadata.loads:
+            return
+        for t in metadata.loads:
+            self._load_device_blocks[t.job_id] = t.device_block_ids
+        start = time.perf_counter()
+        self._engine().start_loads([_job(t) for t in metadata.loads])
+        self._load_seconds += time.perf_counter() - start
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         start = time.perf_counter()
@@ -96,8 +102,6 @@ class HostTierWorker:
         self._collect(self.engine.poll_finished())
         done = {r for r in self._awaiting_free if not self._stores_in_flight[r]}
         self._awaiting_free -= done
-        for r in done:
-            del self._stores_in_flight[r]
         return done or None
 
     def _collect(self, finished: FinishedJobs) -> None:
@@ -116,6 +120,8 @@ class HostTierWorker:
         req_id = self._store_req.pop(job_id, None)
         if req_id is not None:
             self._stores_in_flight[req_id] -= 1
+            if not self._stores_in_flight[req_id]:
+                del self._stores_in_flight[req_id]
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -1,0 +1,277 @@
+"""Replays the Mooncake conversation trace through a GPU prefix cache and a host tier.
+
+Model: a GPU tier of G blocks with vLLM-like LRU prefix caching in front of a host tier of
+C blocks. Per request, in timestamp order:
+  1. GPU hit: the longest prefix of the request's blocks cached on the GPU (g blocks).
+  2. Host hit: the longest run of READY host blocks right after it (h blocks); they are
+     loaded (pinned, then unpinned), so they become GPU-cached too.
+  3. The GPU-hit blocks are touched on the host tier (its copies were just used).
+  4. Every block of the request the host does not hold is stored there (write-through);
+     held blocks are skipped. Then all the request's blocks become the GPU's most recent,
+     its first block last, so GPU eviction takes chain tails first.
+Only full blocks are cached, as in vLLM (the trace's last block of a request is partial).
+Blocks saved from prefill = g + h. Host tiers compared at equal capacity: our pool with
+`lru` and `prefix_aware`, vLLM 0.32's `CPUOffloadingManager` with `lru` and `arc` (driven
+through its own lookup/prepare_load/complete_load/touch/prepare_store/complete_store
+API), and Belady's offline optimum for the host tier (evict the block used farthest in
+the future, decline to admit one used later than every held block) as the limit.
+
+Usage: /work/venv/bin/python benchmarks/trace_replay.py [--gpu-blocks G]
+           [--host-blocks C ...] [--limit N] [--no-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import platform
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
+from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
+
+TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+RESULTS = REPO / "benchmarks" / "results"
+NEVER = 1 << 62
+BLOCK_TOKENS = 512
+
+
+class HostTier(Protocol):
+    def serve(self, index: int, keys: Sequence[int], gpu_hits: int) -> int:
+        """Steps 2-4 for request `index`; returns the host hit h."""
+        ...
+
+
+class GpuPrefixCache:
+    """LRU prefix cache of `capacity` blocks, as vLLM's GPU block pool behaves for one
+    request at a time: a request's blocks are freed tail first, so evicted tail first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def hit(self, keys: Sequence[int]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self._lru:
+                break
+            n += 1
+        return n
+
+    def finish(self, keys: Sequence[int]) -> None:
+        lru = self._lru
+        for key in reversed(keys):
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+
+class OurTier:
+    def __init__(self, policy: str, capacity: int) -> None:
+        self.pool = HostBlockPool(capacity, make_policy(policy, capacity), record_events=False)
+
+    def serve(self, index: int, keys: Sequence[int], gpu_hits: int) -> int:
+        pool = self.pool
+        after = keys[gpu_hits:]
+        h = pool.count_hits(after)
+        if h:
+            loaded = after[:h]
+            pool.pin(loaded)
+            pool.unpin(loaded)
+        pool.touch(keys[:gpu_hits])
+        allocated = pool.allocate_for_store(keys, None)
+        pool.complete_store([key for key, _ in allocated], True)
+        return h
+
+
+class VllmTier:
+    """vLLM 0.32's CPUOffloadingManager, as its OffloadingConnector drives it."""
+
+    def __init__(self, policy: str, capacity: int) -> None:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+        self.manager = CPUOffloadingManager(capacity, cache_policy=policy)
+        self._hit = LookupResult.HIT
+        self._ctx = ReqContext
+        self._key = make_offload_key
+        self._keys: dict[int, bytes] = {}
+
+    def _offload_keys(self, keys: Sequence[int]) -> list:
+        cache, make = self._keys, self._key
+        out = []
+        for key in keys:
+            okey = cache.get(key)
+            if okey is None:
+                okey = cache[key] = make(key.to_bytes(8, "big"), 0)
+            out.append(okey)
+        return out
+
+    def serve(self, index: int, keys: Sequence[int], gpu_hits: int) -> int:
+        mgr = self.manager
+        okeys = self._offload_keys(keys)
+        ctx = self._ctx(req_id=str(index))
+        for pos, okey in enumerate(okeys):
+            ctx.set_offload_key_position(okey, (pos + 1) * 512)
+        mgr.on_new_request(ctx)
+        h = 0
+        for okey in okeys[gpu_hits:]:
+            if mgr.lookup(okey, ctx) is not self._hit:
+                break
+            h += 1
+        if h:
+            loaded = okeys[gpu_hits : gpu_hits + h]
+            mgr.prepare_load(loaded, ctx)
+            mgr.complete_load(loaded, ctx)
+        if gpu_hits:
+            mgr.touch(okeys[:gpu_hits], ctx)
+        out = mgr.prepare_store(okeys, ctx)
+        if out is not None and out.keys_to_store:
+            mgr.complete_store(out.keys_to_store, ctx)
+        mgr.on_request_finished(ctx)
+        return h
+
+
+class BeladyTier:
+    """Offline optimum for the host tier alone: knows each block's next request."""
+
+    def __init__(self, capacity: int, next_use: list[list[int]]) -> None:
+        self.capacity = capacity
+        self.next_use = next_use
+        self._held: dict[int, int] = {}  # key -> next use
+        self._heap: list[tuple[int, int, int]] = []  # (-next use, -depth, key), lazy
+
+    def serve(self, index: int, keys: Sequence[int], gpu_hits: int) -> int:
+        held, heap, nxt = self._held, self._heap, self.next_use[index]
+        h = 0
+        for key in keys[gpu_hits:]:
+            if key not in held:
+                break
+            h += 1
+        for depth, key in enumerate(keys):
+            use = nxt[depth]
+            if key in held or use != NEVER and self._make_room(use, depth):
+                held[key] = use
+                heapq.heappush(heap, (-use, -depth, key))
+        return h
+
+    def _make_room(self, use: int, depth: int) -> bool:
+        held, heap = self._held, self._heap
+        if len(held) < self.capacity:
+            return True
+        while heap:
+            neg_use, neg_depth, key = heap[0]
+            if held.get(key) != -neg_use:
+                heapq.heappop(heap)  # stale entry
+                continue
+            if (-neg_use, -neg_depth) <= (use, depth):
+                return False  # every held block is needed sooner: decline
+            heapq.heappop(heap)
+            del held[key]
+            return True
+        return False
+
+
+def load_trace(limit: int | None) -> list[list[int]]:
+    with TRACE.open() as f:
+        requests = [json.loads(line) for line in f]
+    requests.sort(key=lambda r: r["timestamp"])  # stable: ties keep file order
+    if limit is not None:
+        requests = requests[:limit]
+    # vLLM hashes only full blocks: a request's last, partial block is never cached.
+    return [r["hash_ids"][: r["input_length"] // BLOCK_TOKENS] for r in requests]
+
+
+def next_uses(trace: list[list[int]]) -> list[list[int]]:
+    """next_use[i][j]: index of the next request after i that holds trace[i][j]."""
+    upcoming: dict[int, int] = {}
+    out: list[list[int]] = [[]] * len(trace)
+    for i in range(len(trace) - 1, -1, -1):
+        out[i] = [upcoming.get(key, NEVER) for key in trace[i]]
+        for key in trace[i]:
+            upcoming[key] = i
+    return out
+
+
+def replay(trace: list[list[int]], gpu_blocks: int, tier: HostTier) -> dict[str, float]:
+    gpu = GpuPrefixCache(gpu_blocks)
+    gpu_hits = host_hits = 0
+    start = time.perf_counter()
+    for index, keys in enumerate(trace):
+        g = gpu.hit(keys)
+        h = tier.serve(index, keys, g)
+        gpu.finish(keys)
+        gpu_hits += g
+        host_hits += h
+    return {
+        "gpu_hits": gpu_hits,
+        "host_hits": host_hits,
+        "saved": gpu_hits + host_hits,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-blocks", type=int, default=1000)
+    parser.add_argument("--host-blocks", type=int, nargs="+", default=[2000, 4000, 8000, 16000])
+    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager")
+    parser.add_argument("--policies", nargs="+", default=None, help="subset of tiers to run")
+    args = parser.parse_args()
+
+    trace = load_trace(args.limit)
+    total = sum(map(len, trace))
+    upcoming = next_uses(trace)
+    tiers: dict[str, Callable[[int], HostTier]] = {
+        "ours lru": lambda c: OurTier("lru", c),
+        "ours prefix_aware": lambda c: OurTier("prefix_aware", c),
+    }
+    if not args.no_vllm:
+        tiers["vllm lru"] = lambda c: VllmTier("lru", c)
+        tiers["vllm arc"] = lambda c: VllmTier("arc", c)
+    tiers["belady"] = lambda c: BeladyTier(c, upcoming)
+    if args.policies:
+        tiers = {name: make for name, make in tiers.items() if name in args.policies}
+
+    print(f"{len(trace)} requests, {total} blocks of 512 tokens, GPU tier {args.gpu_blocks} blocks")
+    header = f"{'host C':>7} {'tier':<18} {'host hits':>9} {'saved':>7} {'saved %':>7} {'s':>6}"
+    print(header)
+    rows = []
+    for capacity in args.host_blocks:
+        for name, make in tiers.items():
+            result = replay(trace, args.gpu_blocks, make(capacity))
+            row = {"host_blocks": capacity, "tier": name, **result}
+            rows.append(row)
+            print(
+                f"{capacity:>7} {name:<18} {result['host_hits']:>9} {result['saved']:>7}"
+                f" {100 * result['saved'] / total:>6.2f}% {result['seconds']:>6.1f}",
+                flush=True,
+            )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "trace_replay.json"
+    meta = {
+        "requests": len(trace),
+        "blocks": total,
+        "gpu_blocks": args.gpu_blocks,
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""HostBlockPool, method by method, under every eviction policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool, PoolEvent
+from vllm_cpu_offload.scheduler.policies import POLICY_NAMES, make_policy
+
+pytestmark = pytest.mark.parametrize("policy", POLICY_NAMES)
+
+
+def make_pool(policy: str, num_blocks: int) -> HostBlockPool:
+    return HostBlockPool(num_blocks, make_policy(policy, num_blocks))
+
+
+def store(pool: HostBlockPool, keys: list[str], parent: str | None = None) -> list[int]:
+    allocated = pool.allocate_for_store(keys, parent)
+    pool.complete_store([key for key, _ in allocated], True)
+    return [block_id for _, block_id in allocated]
+
+
+# ----- sizes -----
+
+
+def test_new_pool_is_empty(policy: str) -> None:
+    # A fresh pool: every block free, nothing held.
+    pool = make_pool(policy, 4)
+    assert (pool.num_blocks, pool.num_free, pool.usage, len(pool)) == (4, 4, 0.0, 0)
+    pool.check_invariants()
+
+
+def test_usage_counts_storing_and_ready(policy: str) -> None:
+    # Two storing and one ready block out of four: usage 3/4.
+    pool = make_pool(policy, 4)
+    store(pool, ["a"])
+    pool.allocate_for_store(["b", "c"], "a")
+    assert pool.num_free == 1 and pool.usage == 0.75 and pool.num_storing == 2
+
+
+def test_negative_size_is_rejected(policy: str) -> None:
+    # A negative pool size is bad input.
+    with pytest.raises(ValueError, match="num_blocks"):
+        HostBlockPool(-1, make_policy(policy, 0))
+
+
+# ----- count_hits -----
+
+
+def test_count_hits_is_the_ready_prefix(policy: str) -> None:
+    # Hits stop at the first key that is missing.
+    pool = make_pool(policy, 8)
+    store(pool, ["a", "b", "c"])
+    assert pool.count_hits(["a", "b", "c"]) == 3
+    assert pool.count_hits(["a", "x", "c"]) == 1
+    assert pool.count_hits(["x", "a"]) == 0
+    assert pool.count_hits([]) == 0
+
+
+def test_count_hits_ignores_storing_blocks(policy: str) -> None:
+    # A block whose store has not finished is invisible, and so is all after it.
+    pool = make_pool(policy, 8)
+    store(pool, ["a"])
+    pool.allocate_for_store(["b", "c"], "a")
+    assert pool.count_hits(["a", "b", "c"]) == 1
+    pool.complete_store(["b", "c"], True)
+    assert pool.count_hits(["a", "b", "c"]) == 3
+
+
+def test_count_hits_is_a_use(policy: str) -> None:
+    # Looking a block up makes it recent: the untouched one is evicted instead.
+    pool = make_pool(policy, 2)
+    store(pool, ["a"])
+    store(pool, ["b"])
+    assert pool.count_hits(["a"]) == 1
+    store(pool, ["c"])
+    assert "a" in pool and "b" not in pool
+
+
+def test_touch_is_a_use_and_ignores_missing_keys(policy: str) -> None:
+    # touch() refreshes held blocks (GPU hits) and skips keys the pool lacks.
+    pool = make_pool(policy, 2)
+    store(pool, ["a"])
+    store(pool, ["b"])
+    pool.touch(["zz", "a"])
+    store(pool, ["c"])
+    assert "a" in pool and "b" not in pool
+
+
+# ----- pin / unpin -----
+
+
+def test_pin_returns_block_ids_in_order(policy: str) -> None:
+    # Pinning for a load hands back the ids the blocks were stored at.
+    pool = make_pool(policy, 4)
+    ids = store(pool, ["a", "b", "c"])
+    assert pool.pin(["a", "b", "c"]) == ids
+    assert pool.num_pinned == 3
+
+
+def test_pin_rejects_missing_or_storing_keys_atomically(policy: str) -> None:
+    # One bad key: ValueError, and nothing was pinned.
+    pool = make_pool(policy, 4)
+    store(pool, ["a"])
+    pool.allocate_for_store(["b"], "a")
+    for bad in (["a", "x"], ["a", "b"]):
+        with pytest.raises(ValueError, match="cannot pin"):
+            pool.pin(bad)
+    assert pool.num_pinned == 0
+
+
+def test_pinned_blocks_are_never_evicted(policy: str) -> None:
+    # A full pool of pinned blocks: new stores get nothing; after unpin they get room.
+    pool = make_pool(policy, 2)
+    store(pool, ["a", "b"])
+    pool.pin(["a", "b"])
+    assert pool.allocate_for_store(["x"], None) == []
+    assert "a" in pool and "b" in pool
+    pool.unpin(["a", "b"])
+    assert len(pool.allocate_for_store(["x"], None)) == 1
+
+
+def test_pins_are_counted(policy: str) -> None:
+    # Two loads of one block: it stays pinned until both end.
+    pool = make_pool(policy, 1)
+    store(pool, ["a"])
+    pool.pin(["a"])
+    pool.pin(["a"])
+    pool.unpin(["a"])
+    assert pool.allocate_for_store(["x"], None) == []
+    pool.unpin(["a"])
+    assert pool.allocate_for_store(["x"], None) != []
+
+
+def test_unpin_rejects_unpinned_keys(policy: str) -> None:
+    # Unpinning what is not pinned is a caller bug reported as ValueError.
+    pool = make_pool(policy, 2)
+    store(pool, ["a"])
+    with pytest.raises(ValueError, match="not pinned"):
+        pool.unpin(["a"])
+    with pytest.raises(ValueError, match="not pinned"):
+        pool.unpin(["x"])
+
+
+# ----- allocate_for_store / complete_store -----
+
+
+def test_allocate_skips_held_keys(policy: str) -> None:
+    # Held keys (ready or storing) are skipped; the others get distinct ids.
+    pool = make_pool(policy, 8)
+    store(pool, ["a"])
+    pool.allocate_for_store(["b"], "a")
+    allocated = pool.allocate_for_store(["a", "b", "c", "d"], None)
+    assert [key for key, _ in allocated] == ["c", "d"]
+    ids = [block_id for _, block_id in allocated]
+    assert len(set(ids)) == 2 and all(0 <= i < 8 for i in ids)
+    pool.check_invariants()
+
+
+def test_allocate_evicts_to_make_room(policy: str) -> None:
+    # A full pool of ready blocks: storing a new chain evicts old ones, never exceeds size.
+    pool = make_pool(policy, 3)
+    store(pool, ["a", "b", "c"])
+    store(pool, ["x", "y"])
+    assert "x" in pool and "y" in pool and len(pool) == 3 and pool.num_free == 0
+    pool.check_invariants()
+
+
+def test_allocate_stops_when_nothing_is_evictable(policy: str) -> None:
+    # Everything storing: the store gets what is free and stops, without raising.
+    pool = make_pool(policy, 3)
+    pool.allocate_for_store(["a", "b"], None)
+    allocated = pool.allocate_for_store(["c", "d", "e"], "b")
+    assert [key for key, _ in allocated] == ["c"]
+    assert pool.allocate_for_store(["z"], None) == []
+    pool.check_invariants()
+
+
+def test_allocate_on_zero_blocks_gets_nothing(policy: str) -> None:
+    # A pool of size 0 (swap space too small) accepts no store and never raises.
+    pool = make_pool(policy, 0)
+    assert pool.allocate_for_store(["a"], None) == []
+    assert pool.count_hits(["a"]) == 0 and pool.usage == 0.0
+
+
+def test_failed_store_frees_its_block_for_reuse(policy: str) -> None:
+    # A failed store frees its id, the next allocation reuses it, and the key is a miss.
+    pool = make_pool(policy, 4)
+    [(_, block_id)] = pool.allocate_for_store(["a"], None)
+    pool.complete_store(["a"], False)
+    assert "a" not in pool and pool.num_free == 4
+    assert pool.allocate_for_store(["b"], None) == [("b", block_id)]
+
+
+def test_complete_store_rejects_keys_not_being_stored(policy: str) -> None:
+    # Completing a ready or unknown key is a caller bug; nothing changes.
+    pool = make_pool(policy, 4)
+    store(pool, ["a"])
+    pool.allocate_for_store(["b"], "a")
+    with pytest.raises(ValueError, match="not being stored"):
+        pool.complete_store(["b", "a"], True)
+    assert pool.state_of("b") is BlockState.STORING
+
+
+def test_failed_parent_store_orphans_its_children(policy: str) -> None:
+    # The parent's store fails after the child's succeeded: the child stays, as an orphan.
+    pool = make_pool(policy, 4)
+    pool.allocate_for_store(["a", "b"], None)
+    pool.complete_store(["b"], True)
+    pool.complete_store(["a"], False)
+    assert "a" not in pool and pool.state_of("b") is BlockState.READY
+    pool.check_invariants()
+
+
+def test_parent_outside_the_pool_is_allowed(policy: str) -> None:
+    # A chain whose parent the pool never held (it lives on the GPU) is stored anyway.
+    pool = make_pool(policy, 4)
+    assert len(pool.allocate_for_store(["b", "c"], "a")) == 2
+    pool.complete_store(["b", "c"], True)
+    assert pool.count_hits(["b", "c"]) == 2
+
+
+# ----- reset -----
+
+
+def test_reset_drops_only_ready_unpinned_blocks(policy: str) -> None:
+    # reset_prefix_cache: ready blocks go; pinned and storing blocks stay.
+    pool = make_pool(policy, 8)
+    store(pool, ["a", "b", "c"])
+    pool.pin(["a"])
+    pool.allocate_for_store(["d"], "c")
+    assert pool.reset() == 2
+    assert "a" in pool and "d" in pool and "b" not in pool and "c" not in pool
+    pool.check_invariants()
+    pool.unpin(["a"])
+    pool.complete_store(["d"], True)
+    assert pool.reset() == 2 and len(pool) == 0 and pool.num_free == 8
+
+
+# ----- events -----
+
+
+def test_events_report_stores_and_evictions_once(policy: str) -> None:
+    # Stored keys appear when visible; evicted keys when they leave; take_events drains.
+    pool = make_pool(policy, 2)
+    pool.allocate_for_store(["a", "b"], None)
+    assert pool.take_events() == []
+    pool.complete_store(["a", "b"], True)
+    store(pool, ["x"])
+    events = pool.take_events()
+    assert events[0] == PoolEvent("stored", ("a", "b"))
+    assert events[1].kind == "evicted" and len(events[1].keys) == 1
+    assert events[2] == PoolEvent("stored", ("x",))
+    assert pool.take_events() == []
+
+
+def test_failed_stores_emit_no_event(policy: str) -> None:
+    # A store that never became visible is not announced.
+    pool = make_pool(policy, 2)
+    pool.allocate_for_store(["a"], None)
+    pool.complete_store(["a"], False)
+    assert pool.take_events() == []
+
+
+def test_events_can_be_turned_off(policy: str) -> None:
+    # With KV events disabled nothing accumulates.
+    pool = HostBlockPool(2, make_policy(policy, 2), record_events=False)
+    store(pool, ["a", "b", "c"])
+    assert pool.take_events() == []

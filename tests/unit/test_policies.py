@@ -1,0 +1,229 @@
+"""Eviction policies: the registry, and each policy's choices on small scenarios."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
+from vllm_cpu_offload.scheduler.policies import (
+    POLICY_NAMES,
+    BlockList,
+    HostBlock,
+    LRUPolicy,
+    PrefixAwarePolicy,
+    make_policy,
+)
+from vllm_cpu_offload.scheduler.policies.prefix_aware import AdmissionDuel
+
+
+def store(pool: HostBlockPool, keys: list[object], parent: object = None) -> int:
+    allocated = pool.allocate_for_store(keys, parent)
+    pool.complete_store([key for key, _ in allocated], True)
+    return len(allocated)
+
+
+# ----- registry -----
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_make_policy_builds_each_registered_policy(name: str) -> None:
+    # Every registered name builds a policy that knows its own name.
+    policy = make_policy(name, 16)
+    assert policy.name == name and policy.num_blocks == 16
+
+
+def test_make_policy_rejects_unknown_names_listing_the_allowed() -> None:
+    # A typo in the config names the allowed policies.
+    with pytest.raises(ValueError, match="'lru'.*'prefix_aware'|'prefix_aware'.*'lru'"):
+        make_policy("lfu", 16)
+
+
+def test_registry_names_match_classes() -> None:
+    # The two built-in policies, one module each.
+    assert {LRUPolicy.name, PrefixAwarePolicy.name} == set(POLICY_NAMES)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0])
+def test_prefix_aware_rejects_bad_protected_fraction(bad: float) -> None:
+    # The protected share must leave room for probation.
+    with pytest.raises(ValueError, match="protected_fraction"):
+        PrefixAwarePolicy(8, protected_fraction=bad)
+
+
+# ----- the intrusive list -----
+
+
+def test_block_list_orders_and_unlinks_in_place() -> None:
+    # append/appendleft/remove/move_to_end/popleft keep order and ownership.
+    blocks = [HostBlock(i) for i in range(4)]
+    lst = BlockList()
+    for block in blocks[1:]:
+        lst.append(block)
+    lst.appendleft(blocks[0])
+    lst.move_to_end(blocks[1])
+    lst.remove(blocks[2])
+    assert [b.block_id for b in lst] == [0, 3, 1] and len(lst) == 3
+    assert blocks[2].owner is None and blocks[0] in lst
+    assert lst.popleft() is blocks[0] and lst.head is blocks[3]
+    lst.clear()
+    assert lst.head is None and len(lst) == 0
+
+
+# ----- LRU -----
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    # Three blocks, the middle one used last but one: the oldest-used goes.
+    pool = HostBlockPool(3, LRUPolicy(3))
+    for key in "abc":
+        store(pool, [key])
+    pool.count_hits(["a"])
+    pool.count_hits(["b"])
+    store(pool, ["x"])
+    assert "c" not in pool and {"a", "b", "x"} <= {k for k in "abcx" if k in pool}
+
+
+def test_lru_returns_unpinned_blocks_as_most_recent() -> None:
+    # A block whose load just ended was just used: it outlives older blocks.
+    pool = HostBlockPool(2, LRUPolicy(2))
+    store(pool, ["a"])
+    store(pool, ["b"])
+    pool.pin(["a"])
+    pool.unpin(["a"])
+    store(pool, ["x"])
+    assert "a" in pool and "b" not in pool
+
+
+# ----- prefix-aware -----
+
+
+def test_prefix_aware_evicts_leaves_before_ancestors() -> None:
+    # One chain, pool full, its root used least recently: the tail goes, not the root.
+    pool = HostBlockPool(4, PrefixAwarePolicy(4))
+    store(pool, ["a", "b", "c"])
+    store(pool, ["z"])
+    pool.touch(["b", "c"])  # the root is now the least recent block
+    pool.count_hits(["z"])
+    store(pool, ["y"])
+    assert "a" in pool and "b" in pool and "c" not in pool
+
+
+def test_lru_by_contrast_evicts_the_stale_root() -> None:
+    # Same scenario under LRU: it evicts the root and leaves an orphaned chain.
+    pool = HostBlockPool(4, LRUPolicy(4))
+    store(pool, ["a", "b", "c"])
+    store(pool, ["z"])
+    pool.touch(["b", "c"])
+    pool.count_hits(["z"])
+    store(pool, ["y"])
+    assert "a" not in pool and pool.count_hits(["a", "b", "c"]) == 0
+
+
+def test_prefix_aware_evicts_orphans_first() -> None:
+    # A block whose parent's store failed goes before any recently stored block.
+    pool = HostBlockPool(4, PrefixAwarePolicy(4))
+    pool.allocate_for_store(["a", "b"], None)
+    pool.complete_store(["b"], True)
+    pool.complete_store(["a"], False)
+    store(pool, ["x", "y", "z"])
+    store(pool, ["w"])
+    assert "b" not in pool and all(k in pool for k in "xyzw")
+
+
+def test_prefix_aware_never_evicts_an_ancestor_of_a_store_in_flight() -> None:
+    # The chain's tail is still being stored: its ancestors are not victims.
+    pool = HostBlockPool(3, PrefixAwarePolicy(3))
+    store(pool, ["a", "b"])
+    pool.allocate_for_store(["c"], "b")
+    assert pool.allocate_for_store(["x"], None) == []
+    assert "a" in pool and "b" in pool
+
+
+def test_prefix_aware_protects_reused_blocks_from_one_off_floods() -> None:
+    # A block used twice survives a flood of blocks seen once; under LRU it does not.
+    def survives(policy_name: str) -> bool:
+        pool = HostBlockPool(10, make_policy(policy_name, 10))
+        store(pool, ["hot"])
+        pool.count_hits(["hot"])
+        for i in range(9):
+            store(pool, [f"once{i}"])
+        store(pool, ["late"])
+        return "hot" in pool
+
+    assert survives("prefix_aware")
+    assert not survives("lru")
+
+
+def test_prefix_aware_remembers_evicted_keys_as_reused() -> None:
+    # A key evicted and stored again starts protected: it outlives first-sight blocks.
+    pool = HostBlockPool(4, PrefixAwarePolicy(4))
+    store(pool, ["r"])
+    for key in ["p", "q", "s", "t"]:
+        store(pool, [key])  # evicts r, which is remembered
+    assert "r" not in pool
+    store(pool, ["r"])  # back: protected
+    for key in ["u", "v", "w"]:
+        store(pool, [key])
+    assert "r" in pool
+
+
+def _hot_and_one_offs(pool: HostBlockPool, laps: int) -> tuple[int, int]:
+    """12 hot keys in a loop, 3 never-reused keys after each: reuse distance 48 > 16.
+
+    Returns (hits on hot keys in the second half of the laps, the lap where the policy
+    first refused a key, or -1).
+    """
+    hits, refused_at, fresh = 0, -1, 0
+    for lap in range(laps):
+        for hot in range(12):
+            hit = pool.count_hits([f"hot{hot}"])
+            hits += hit * (lap >= laps // 2)
+            if not hit:
+                store(pool, [f"hot{hot}"])
+            for _ in range(3):
+                fresh += 1
+                if not store(pool, [f"once{fresh}"]) and refused_at < 0:
+                    refused_at = lap
+    return hits, refused_at
+
+
+def test_prefix_aware_keeps_a_hot_set_that_lru_thrashes() -> None:
+    # Reused keys interleaved with one-off keys: LRU hits nothing, prefix_aware hits.
+    lru_hits, _ = _hot_and_one_offs(HostBlockPool(16, LRUPolicy(16)), laps=20)
+    ours_hits, _ = _hot_and_one_offs(HostBlockPool(16, PrefixAwarePolicy(16)), laps=20)
+    assert lru_hits == 0
+    assert ours_hits > 12 * 10 // 2
+
+
+def test_prefix_aware_turns_doorkeeper_and_admits_on_second_sight() -> None:
+    # On that workload the doorkeeper rule wins: a new chain is refused whole while the
+    # pool is full, then admitted whole on its second sight.
+    policy = PrefixAwarePolicy(16)
+    pool = HostBlockPool(16, policy)
+    _, refused_at = _hot_and_one_offs(pool, laps=20)
+    assert policy.doorkeeper and refused_at >= 0
+    assert pool.num_free == 0
+    assert pool.allocate_for_store(["new0", "new1"], None) == []
+    assert store(pool, ["new0", "new1"]) == 2
+    assert pool.count_hits(["new0", "new1"]) == 2
+
+
+def test_admission_duel_prefers_admit_all_on_a_small_working_set() -> None:
+    # Keys that fit in the pool: admitting everything hits at least as often.
+    duel = AdmissionDuel(num_blocks=64, history_factor=4.0, shadow_blocks=64)
+    for _ in range(10):
+        for key in range(32):
+            duel.observe(key)
+    assert not duel.doorkeeper
+
+
+def test_admission_duel_samples_large_pools() -> None:
+    # A pool 16x the shadow size samples one key in 16 (by hash): others are ignored.
+    duel = AdmissionDuel(num_blocks=16 * 64, history_factor=4.0, shadow_blocks=64)
+    for _ in range(3):
+        for key in range(1, 16):
+            duel.observe(key)  # hash(int) == int: none divisible by 16
+    assert duel._admit_all.hits == 0 and duel._door.hits == 0
+    duel.observe(16)
+    duel.observe(16)
+    assert duel._admit_all.hits == 1

@@ -1,0 +1,157 @@
+"""A property-based state machine for HostBlockPool under every policy.
+
+Random lookups, store allocations, store completions (success and failure), loads
+(pin/unpin), resets, and evictions under pressure, checked against a model after every
+step: the pool holds exactly the keys the model holds, in the same states; a pinned or
+storing block is never evicted; lookups return the longest READY prefix; the capacity
+bound holds; and `check_invariants` passes.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool
+from vllm_cpu_offload.scheduler.policies import make_policy
+
+KEYS = st.integers(min_value=0, max_value=23)  # few keys: chains overlap and keys return
+CHAINS = st.lists(KEYS, min_size=1, max_size=6, unique=True)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    policy_name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_blocks = 8
+        self.pool = HostBlockPool(self.num_blocks, make_policy(self.policy_name, 8))
+        self.state: dict[BlockKey, BlockState] = {}  # the model: key -> state
+        self.pins: dict[BlockKey, int] = {}  # key -> loads in flight
+        self.block_ids: dict[BlockKey, int] = {}
+
+    # ----- helpers -----
+
+    def _apply_events(self) -> None:
+        for event in self.pool.take_events():
+            for key in event.keys:
+                if event.kind == "evicted":
+                    assert self.state.get(key) is BlockState.READY, f"evicted {key} not READY"
+                    assert self.pins.get(key, 0) == 0, f"evicted pinned {key}"
+                    del self.state[key]
+                    del self.block_ids[key]
+                else:
+                    assert self.state.get(key) is BlockState.STORING
+                    self.state[key] = BlockState.READY
+
+    def _keys_in(self, state: BlockState) -> list[int]:
+        return sorted(k for k, s in self.state.items() if s is state and isinstance(k, int))
+
+    # ----- rules -----
+
+    @rule(chain=CHAINS, parent=st.one_of(st.none(), KEYS))
+    def allocate(self, chain: list[int], parent: int | None) -> None:
+        if parent in chain:
+            parent = None
+        held_before = {k for k in chain if k in self.state}
+        allocated = self.pool.allocate_for_store(chain, parent)
+        self._apply_events()
+        got = [k for k, _ in allocated]
+        assert set(got).isdisjoint(held_before), "allocated a key already held"
+        assert got == [k for k in chain if k in got], "allocation out of chain order"
+        for key, block_id in allocated:
+            assert block_id not in self.block_ids.values(), "block id handed out twice"
+            self.state[key] = BlockState.STORING
+            self.block_ids[key] = block_id
+
+    @precondition(lambda self: self._keys_in(BlockState.STORING))
+    @rule(data=st.data(), success=st.booleans())
+    def complete(self, data: st.DataObject, success: bool) -> None:
+        storing = self._keys_in(BlockState.STORING)
+        keys = data.draw(st.lists(st.sampled_from(storing), min_size=1, unique=True))
+        self.pool.complete_store(keys, success)
+        if not success:
+            for key in keys:
+                del self.state[key]
+                del self.block_ids[key]
+        self._apply_events()
+
+    @rule(keys=CHAINS)
+    def lookup(self, keys: list[int]) -> None:
+        expected = 0
+        for key in keys:
+            if self.state.get(key) is not BlockState.READY:
+                break
+            expected += 1
+        assert self.pool.count_hits(keys) == expected
+
+    @rule(keys=CHAINS)
+    def touch(self, keys: list[int]) -> None:
+        self.pool.touch(keys)
+
+    @precondition(lambda self: self._keys_in(BlockState.READY))
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        ready = self._keys_in(BlockState.READY)
+        keys = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
+        assert self.pool.pin(keys) == [self.block_ids[k] for k in keys]
+        for key in keys:
+            self.pins[key] = self.pins.get(key, 0) + 1
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        pinned = sorted(k for k in self.pins if isinstance(k, int))
+        keys = data.draw(st.lists(st.sampled_from(pinned), min_size=1, unique=True))
+        self.pool.unpin(keys)
+        for key in keys:
+            self.pins[key] -= 1
+            if not self.pins[key]:
+                del self.pins[key]
+
+    @rule()
+    def reset(self) -> None:
+        dropped = self.pool.reset()
+        expected = [k for k in self._keys_in(BlockState.READY) if k not in self.pins]
+        assert dropped == len(expected)
+        self._apply_events()
+
+    @rule(chain=CHAINS)
+    def store_under_pressure(self, chain: list[int]) -> None:
+        """A whole store as the connector does it: allocate, then finish successfully."""
+        self.allocate(chain, None)
+        keys = [k for k in chain if self.state.get(k) is BlockState.STORING]
+        mine = [k for k in keys if k not in self.pins]
+        if mine:
+            self.pool.complete_store(mine, True)
+            self._apply_events()
+
+    # ----- invariants -----
+
+    @invariant()
+    def pool_matches_model(self) -> None:
+        self.pool.check_invariants()
+        assert len(self.pool) == len(self.state) <= self.num_blocks
+        assert self.pool.num_free == self.num_blocks - len(self.state)
+        for key in range(24):
+            assert self.pool.state_of(key) is self.state.get(key), key
+        for pinned in self.pins:
+            assert self.state[pinned] is BlockState.READY, "a pinned block lost its state"
+        assert self.pool.num_pinned == len(self.pins)
+        assert self.pool.num_storing == len(self._keys_in(BlockState.STORING))
+
+
+class LRUPoolMachine(PoolMachine):
+    policy_name = "lru"
+
+
+class PrefixAwarePoolMachine(PoolMachine):
+    policy_name = "prefix_aware"
+
+
+_SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestLRUPool = LRUPoolMachine.TestCase
+TestLRUPool.settings = _SETTINGS
+TestPrefixAwarePool = PrefixAwarePoolMachine.TestCase
+TestPrefixAwarePool.settings = _SETTINGS

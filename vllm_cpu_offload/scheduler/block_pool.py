@@ -1,0 +1,366 @@
+"""The host tier's block pool: which vLLM block hashes are held in host memory, and where.
+
+Runs in the scheduler process and never touches memory itself: it hands out host block
+ids for the worker-side transfer engine to copy into, tracks each block through
+STORING -> READY, pins blocks while loads read them, and asks an `EvictionPolicy` for
+victims when it needs room.
+
+Invariants (checked by `check_invariants`, and by asserts on the hot path):
+- A pinned block is never evicted, dropped by `reset`, or reused.
+- A STORING block is never visible to lookups and never evicted.
+- Blocks in use <= `num_blocks`; every host block id is either free or held by one key.
+- A key maps to at most one host block; freed ids are reused.
+
+Every operation is O(1) per block it names (dict look-ups and intrusive lists), except
+`reset` and `check_invariants`, which are O(blocks held). Nothing reads the wall clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .policies.base import BlockKey, BlockState, EvictionPolicy, HostBlock
+
+__all__ = ["BlockKey", "BlockState", "HostBlockPool", "PoolEvent"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolEvent:
+    """Keys that became visible ("stored") or left the pool ("evicted"), in order."""
+
+    kind: Literal["stored", "evicted"]
+    keys: tuple[BlockKey, ...]
+
+
+class HostBlockPool:
+    """Host block ids for `num_blocks` blocks, keyed by (KV group id, block hash)."""
+
+    def __init__(self, num_blocks: int, policy: EvictionPolicy, record_events: bool = True):
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.policy = policy
+        self._blocks = [HostBlock(i) for i in range(num_blocks)]
+        # A stack, so the lowest ids go first and a freed id is the next one reused.
+        self._free: list[HostBlock] = self._blocks[::-1]
+        self._held: dict[BlockKey, HostBlock] = {}
+        self._num_storing = 0
+        self._num_pinned = 0
+        self._record_events = record_events
+        self._events: list[PoolEvent] = []
+
+    # ----- sizes -----
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (storing, ready or pinned), 0.0 to 1.0."""
+        return self.num_used / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def num_storing(self) -> int:
+        return self._num_storing
+
+    @property
+    def num_pinned(self) -> int:
+        return self._num_pinned
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._held
+
+    def state_of(self, key: BlockKey) -> BlockState | None:
+        """The key's state, or None if the pool does not hold it."""
+        block = self._held.get(key)
+        return None if block is None else block.state
+
+    # ----- lookups and loads -----
+
+    def count_hits(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the longest prefix of `keys` whose blocks are READY. O(hits).
+
+        The hits count as a use for the policy, touched deepest first so that an ancestor
+        is always at least as recent as its descendants.
+        """
+        hits: list[HostBlock] = []
+        held = self._held
+        for key in keys:
+            block = held.get(key)
+            if block is None or block.state is not BlockState.READY:
+                break
+            hits.append(block)
+        on_access = self.policy.on_access
+        for block in reversed(hits):
+            on_access(block)
+        return len(hits)
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Marks the READY blocks among `keys` as used (e.g. blocks the GPU cache hit).
+
+        Keys that are missing or STORING are ignored. Deepest first, as in `count_hits`.
+        """
+        held = self._held
+        on_access = self.policy.on_access
+        for key in reversed(keys):
+            block = held.get(key)
+            if block is not None and block.state is BlockState.READY:
+                on_access(block)
+
+    def pin(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Pins READY blocks for a load; returns their host block ids in order.
+
+        A pinned block is never evicted or overwritten until a matching `unpin`.
+
+        Raises:
+            ValueError: a key is not held or not READY (nothing is pinned then).
+        """
+        blocks = [self._held.get(key) for key in keys]
+        for key, block in zip(keys, blocks, strict=True):
+            if block is None or block.state is not BlockState.READY:
+                raise ValueError(f"cannot pin {key!r}: it is not a READY block of the pool")
+        ids = []
+        for block in blocks:
+            assert block is not None
+            self._pin_block(block)
+            ids.append(block.block_id)
+        return ids
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        """Ends one load of each block.
+
+        Raises:
+            ValueError: a key is not held or not pinned (nothing is unpinned then).
+        """
+        blocks = [self._held.get(key) for key in keys]
+        for key, block in zip(keys, blocks, strict=True):
+            if block is None or block.pin_count == 0:
+                raise ValueError(f"cannot unpin {key!r}: it is not pinned")
+        for block in blocks:
+            assert block is not None
+            self._unpin_block(block)
+
+    # ----- stores -----
+
+    def allocate_for_store(
+        self, keys: Sequence[BlockKey], parent: BlockKey | None
+    ) -> list[tuple[BlockKey, int]]:
+        """Allocates STORING blocks for the keys of one chain that the pool does not hold.
+
+        `keys` are consecutive blocks of one chain and `parent` is the key just before
+        `keys[0]` (None at the chain root). Held keys (any state) are skipped. Room is
+        made by evicting through the policy; the chain's own held blocks (and `parent`)
+        are shielded while that happens, so a store never evicts the blocks it extends.
+        When no room can be made (everything pinned, storing or shielded) or the policy
+        declines a key, allocation stops there and returns what it got: never an error.
+
+        Returns:
+            The (key, host block id) pairs allocated, in chain order. O(1) per key.
+        """
+        held = self._held
+        prev = held.get(parent) if parent is not None else None
+        gap_above = parent is not None and prev is None
+        allocated: list[tuple[BlockKey, int]] = []
+        evicted: list[BlockKey] = []
+        shielded: list[HostBlock] | None = None
+        policy = self.policy
+        for index, key in enumerate(keys):
+            block = held.get(key)
+            if block is None:
+                if not self._free:
+                    if shielded is None:
+                        shielded = self._shield(prev, keys)
+                    if not policy.admit(key):
+                        for later in keys[index + 1 :]:
+                            if later not in held:
+                                policy.on_declined(later)
+                        break
+                block = self._take_block(evicted)
+                if block is None:
+                    break
+                self._attach(block, key, prev, gap_above)
+                allocated.append((key, block.block_id))
+            prev = block
+            gap_above = False
+        if shielded:
+            for block in reversed(shielded):  # ancestors last: they end the most recent
+                self._unpin_block(block)
+        if evicted and self._record_events:
+            self._events.append(PoolEvent("evicted", tuple(evicted)))
+        return allocated
+
+    def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None:
+        """Ends stores: STORING -> READY (visible) on success, freed on failure.
+
+        Raises:
+            ValueError: a key is not a STORING block of the pool (nothing changes then).
+        """
+        blocks = [self._held.get(key) for key in keys]
+        for key, block in zip(keys, blocks, strict=True):
+            if block is None or block.state is not BlockState.STORING:
+                raise ValueError(f"cannot complete {key!r}: it is not being stored")
+        self._num_storing -= len(blocks)
+        # Deepest first, so that each ancestor ends at least as recent as its descendants
+        # and a failed chain is freed leaves first.
+        for block in reversed(blocks):
+            assert block is not None
+            if success:
+                block.state = BlockState.READY
+                self.policy.on_ready(block)
+            else:
+                self.policy.on_remove(block)
+                self._release(block)
+        if success and blocks and self._record_events:
+            self._events.append(PoolEvent("stored", tuple(keys)))
+
+    # ----- maintenance -----
+
+    def reset(self) -> int:
+        """Drops every READY, unpinned block (vLLM's reset_prefix_cache). O(blocks held).
+
+        Returns:
+            How many blocks were dropped. Pinned and STORING blocks stay.
+        """
+        dropped = [block for block in self._held.values() if block.evictable]
+        keys = []
+        for block in dropped:
+            keys.append(block.key)
+            self.policy.on_remove(block)
+            self._release(block)
+        self.policy.reset()
+        if keys and self._record_events:
+            self._events.append(PoolEvent("evicted", tuple(keys)))
+        return len(dropped)
+
+    def take_events(self) -> list[PoolEvent]:
+        """Stored and evicted keys since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def check_invariants(self) -> None:
+        """Asserts every invariant of the pool. O(num_blocks); for tests and debugging."""
+        free_ids = {block.block_id for block in self._free}
+        assert len(free_ids) == len(self._free), "a free id is listed twice"
+        held_ids = {block.block_id for block in self._held.values()}
+        assert len(held_ids) == len(self._held), "a host block is held by two keys"
+        assert not free_ids & held_ids, "a held block is also free"
+        assert len(free_ids) + len(held_ids) == self.num_blocks, "a block id leaked"
+        storing = pinned = 0
+        for key, block in self._held.items():
+            assert block.key == key and self._blocks[block.block_id] is block
+            assert block.pin_count >= 0
+            assert block.state is BlockState.READY or block.pin_count == 0, "pinned STORING"
+            storing += block.state is BlockState.STORING
+            pinned += block.pin_count > 0
+            if block.parent is not None:
+                assert self._held.get(block.parent.key) is block.parent, "dangling parent"
+            assert block.num_children == sum(1 for _ in _children(block))
+            for child in _children(block):
+                assert child.parent is block
+        for block in self._free:
+            assert block.key is None and block.owner is None and block.num_children == 0
+        assert storing == self._num_storing and pinned == self._num_pinned
+
+    # ----- internals -----
+
+    def _shield(self, parent: HostBlock | None, keys: Sequence[BlockKey]) -> list[HostBlock]:
+        """Pins the chain's evictable held blocks (and `parent`) for the rest of the call."""
+        shielded = []
+        if parent is not None and parent.evictable:
+            self._pin_block(parent)
+            shielded.append(parent)
+        held = self._held
+        for key in keys:
+            block = held.get(key)
+            if block is not None and block.evictable:
+                self._pin_block(block)
+                shielded.append(block)
+        return shielded
+
+    def _pin_block(self, block: HostBlock) -> None:
+        block.pin_count += 1
+        if block.pin_count == 1:
+            self._num_pinned += 1
+            self.policy.on_pin(block)
+
+    def _unpin_block(self, block: HostBlock) -> None:
+        block.pin_count -= 1
+        if block.pin_count == 0:
+            self._num_pinned -= 1
+            self.policy.on_unpin(block)
+
+    def _take_block(self, evicted: list[BlockKey]) -> HostBlock | None:
+        if self._free:
+            return self._free.pop()
+        victim = self.policy.pop_victim()
+        if victim is None:
+            return None
+        assert victim.evictable, f"policy chose {victim}, which is not evictable"
+        assert victim.owner is None, f"policy still lists its victim {victim}"
+        assert victim.key is not None and self._held.get(victim.key) is victim
+        evicted.append(victim.key)
+        self._release(victim)
+        return self._free.pop()
+
+    def _attach(
+        self, block: HostBlock, key: BlockKey, parent: HostBlock | None, gap_above: bool
+    ) -> None:
+        assert block.key is None and block.owner is None
+        block.key = key
+        block.state = BlockState.STORING
+        block.orphan = gap_above
+        block.parent = parent
+        if parent is not None:
+            block.next_sibling = parent.first_child
+            if parent.first_child is not None:
+                parent.first_child.prev_sibling = block
+            parent.first_child = block
+            parent.num_children += 1
+        self._held[key] = block
+        self._num_storing += 1
+        self.policy.on_insert(block)
+
+    def _release(self, block: HostBlock) -> None:
+        """Frees a block the policy no longer lists; its children become orphans."""
+        assert block.pin_count == 0 and block.owner is None
+        del self._held[block.key]
+        parent = block.parent
+        if parent is not None:
+            if block.prev_sibling is None:
+                parent.first_child = block.next_sibling
+            else:
+                block.prev_sibling.next_sibling = block.next_sibling
+            if block.next_sibling is not None:
+                block.next_sibling.prev_sibling = block.prev_sibling
+            parent.num_children -= 1
+            if parent.num_children == 0:
+                self.policy.on_leaf(parent)
+        child = block.first_child
+        while child is not None:
+            following = child.next_sibling
+            child.parent = child.next_sibling = child.prev_sibling = None
+            child.orphan = True
+            self.policy.on_orphaned(child)
+            child = following
+        block.key = block.parent = block.first_child = None
+        block.next_sibling = block.prev_sibling = None
+        block.num_children = 0
+        block.orphan = False
+        self._free.append(block)
+
+
+def _children(block: HostBlock) -> Iterator[HostBlock]:
+    child = block.first_child
+    while child is not None:
+        yield child
+        child = child.next_sibling

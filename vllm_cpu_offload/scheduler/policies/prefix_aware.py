@@ -1,0 +1,287 @@
+"""Prefix-aware eviction: orphans first, leaves before ancestors, and admission for newcomers.
+
+A block of KV is useful only together with every block before it in its request, and a
+block is reused at least as often as any of its descendants. So:
+
+1. Orphans first. A block whose chain has a gap above it (its parent key is not held)
+   can hit only while the missing ancestor sits in the GPU cache; it goes first.
+2. Leaves first. A block with children in the pool is never a victim: when one reaches
+   the head of its list it is parked (unlisted) until its last child leaves, then goes
+   back to the head, since it was older than everything listed. Evicting only leaves
+   never creates orphans.
+3. Segmented LRU. New blocks enter probation; a block used again while held moves to
+   the protected segment (at most `protected_fraction` of the pool, its least recent
+   leaf demoted back to probation on overflow). Victims come from probation first.
+4. History. Keys that left (or were refused) are remembered, `history_factor` times as
+   many as the pool holds. A remembered key that is stored again has proven a reuse
+   and starts protected.
+5. Adaptive admission. When the pool is full, a key seen for the first time may either
+   evict a block (admit-all, as LRU) or be refused and only remembered, so that it gets
+   in on its second sight (a doorkeeper, which keeps a thrashing pool from trading
+   blocks that will be reused for blocks that will not). Which of the two is better
+   depends on the pool size against the workload's reuse distances, so the policy
+   measures both online: two small shadow LRU caches, one per rule, replay a hash
+   sample of the keys (spatial sampling, as in SHARDS), and the rule whose shadow hits
+   more (exponentially decayed counts) governs the pool, as in set dueling (DIP).
+
+Recency is a monotonic stamp, never wall-clock time. Every hook is O(1); a hook that
+parks blocks does O(1) work per block parked, and each block is parked at most once per
+time it is listed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from .base import BlockKey, BlockList, EvictionPolicy, HostBlock
+
+_PROBATION = 0
+_PROTECTED = 1
+
+
+class PrefixAwarePolicy(EvictionPolicy):
+    """Leaf-first, orphan-first segmented LRU with adaptive admission; see the module doc."""
+
+    name = "prefix_aware"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        protected_fraction: float = 0.65,
+        history_factor: float = 4.0,
+        shadow_blocks: int = 1024,
+    ) -> None:
+        super().__init__(num_blocks)
+        if not 0.0 <= protected_fraction < 1.0:
+            raise ValueError(f"protected_fraction must be in [0, 1), got {protected_fraction}")
+        if history_factor <= 0.0:
+            raise ValueError(f"history_factor must be > 0, got {history_factor}")
+        self._protected_cap = int(num_blocks * protected_fraction)
+        self._orphans = BlockList()
+        self._probation = BlockList()
+        self._protected = BlockList()
+        # Blocks held in the protected segment, listed or not (pinned, storing, parked).
+        self._num_protected = 0
+        self._history_factor = history_factor
+        self._history: OrderedDict[BlockKey, None] = OrderedDict()
+        self._history_cap = max(1, int(num_blocks * history_factor))
+        self._duel = AdmissionDuel(num_blocks, history_factor, shadow_blocks)
+
+    # ----- hooks -----
+
+    def admit(self, key: BlockKey) -> bool:
+        if not self._duel.doorkeeper or key in self._history:
+            return True
+        self._duel.observe(key)
+        self._remember(key)
+        return False
+
+    def on_declined(self, key: BlockKey) -> None:
+        self._duel.observe(key)
+        if key not in self._history:
+            self._remember(key)
+
+    def on_insert(self, block: HostBlock) -> None:
+        key = block.key
+        block.flag = self._duel.observe(key)  # sampled: later uses go to the shadows too
+        block.segment = _PROBATION
+        self._clock += 1
+        block.stamp = self._clock
+        if key in self._history:
+            del self._history[key]
+            self._set_segment(block, _PROTECTED)
+            self._shrink_protected()
+
+    def on_ready(self, blocks: Sequence[HostBlock]) -> None:
+        for block in blocks:
+            self._home(block).append(block)
+
+    def on_access(self, blocks: Sequence[HostBlock]) -> None:
+        protected, orphans, duel = self._protected, self._orphans, self._duel
+        clock = self._clock
+        for block in blocks:
+            if block.flag:
+                duel.use(block.key)
+            clock += 1
+            block.stamp = clock
+            if block.segment != _PROTECTED:
+                block.segment = _PROTECTED
+                self._num_protected += 1
+            owner = block.owner
+            if owner is protected or owner is orphans:
+                owner.move_to_end(block)
+            elif owner is not None:
+                owner.remove(block)
+                protected.append(block)
+            elif block.evictable:  # parked: relist as the newest
+                self._home(block).append(block)
+        self._clock = clock
+        if self._num_protected > self._protected_cap:
+            self._shrink_protected()
+
+    def on_pin(self, block: HostBlock) -> None:
+        if block.owner is not None:
+            block.owner.remove(block)
+
+    def on_unpin(self, block: HostBlock) -> None:
+        self._home(block).append(block)
+
+    def on_remove(self, block: HostBlock) -> None:
+        if block.owner is not None:
+            block.owner.remove(block)
+        self._set_segment(block, _PROBATION)
+
+    def on_orphaned(self, block: HostBlock) -> None:
+        if block.owner is not None:
+            block.owner.remove(block)
+            self._orphans.append(block)
+        elif block.evictable:
+            self._orphans.append(block)  # was parked; orphans go regardless of children
+
+    def on_leaf(self, block: HostBlock) -> None:
+        if block.evictable and block.owner is None:
+            # Parked at the head of its list and not used since: older than every block
+            # listed there now, so it goes back to the head.
+            self._home(block).appendleft(block)
+            self._shrink_protected()
+
+    def pop_victim(self) -> HostBlock | None:
+        victim = self._orphans.head
+        if victim is None:
+            victim = self._head_leaf(self._probation) or self._head_leaf(self._protected)
+            if victim is None:
+                return None
+        assert victim.owner is not None
+        victim.owner.remove(victim)
+        self._set_segment(victim, _PROBATION)
+        self._remember(victim.key)
+        return victim
+
+    def reset(self) -> None:
+        self._history.clear()
+        self._duel = AdmissionDuel(self.num_blocks, self._history_factor, self._duel.shadow_blocks)
+
+    @property
+    def doorkeeper(self) -> bool:
+        """Whether first-sight keys are refused while the pool is full (for metrics/tests)."""
+        return self._duel.doorkeeper
+
+    # ----- internals -----
+
+    def _home(self, block: HostBlock) -> BlockList:
+        if block.orphan:
+            return self._orphans
+        return self._protected if block.segment == _PROTECTED else self._probation
+
+    def _head_leaf(self, segment: BlockList) -> HostBlock | None:
+        """The oldest leaf of `segment`; parks the blocks with children found before it."""
+        head = segment.head
+        while head is not None and head.num_children:
+            segment.remove(head)  # parked until `on_leaf` or `on_access`
+            head = segment.head
+        return head
+
+    def _set_segment(self, block: HostBlock, segment: int) -> None:
+        if block.segment != segment:
+            self._num_protected += 1 if segment == _PROTECTED else -1
+            block.segment = segment
+
+    def _shrink_protected(self) -> None:
+        while self._num_protected > self._protected_cap:
+            demoted = self._head_leaf(self._protected)
+            if demoted is None:
+                return
+            self._protected.remove(demoted)
+            self._set_segment(demoted, _PROBATION)
+            # Keep probation in stamp order: an old block goes to its head, not its tail.
+            head = self._probation.head
+            if head is not None and demoted.stamp < head.stamp:
+                self._probation.appendleft(demoted)
+            else:
+                self._probation.append(demoted)
+
+    def _remember(self, key: BlockKey) -> None:
+        self._history[key] = None
+        if len(self._history) > self._history_cap:
+            self._history.popitem(last=False)
+
+
+class AdmissionDuel:
+    """Chooses admit-all or doorkeeper by replaying a key sample through one shadow of each.
+
+    Keys whose hash is divisible by `modulus` (a power of two) are sampled; each shadow
+    is a key-only LRU cache of num_blocks / modulus entries, so it sees the pool's
+    workload at the pool's scale. Hit counts are halved every 8 shadow-capacities of
+    sampled uses, so the choice follows phases of the workload. O(1) per use.
+    """
+
+    __slots__ = ("shadow_blocks", "_modulus", "_admit_all", "_door", "_uses", "_half_life")
+
+    def __init__(self, num_blocks: int, history_factor: float, shadow_blocks: int) -> None:
+        if shadow_blocks < 1:
+            raise ValueError(f"shadow_blocks must be >= 1, got {shadow_blocks}")
+        self.shadow_blocks = shadow_blocks
+        modulus = 1
+        while num_blocks // (modulus * 2) >= shadow_blocks:
+            modulus *= 2
+        self._modulus = modulus
+        capacity = max(1, num_blocks // modulus)
+        self._admit_all = _ShadowCache(capacity, history_factor, doorkeeper=False)
+        self._door = _ShadowCache(capacity, history_factor, doorkeeper=True)
+        self._uses = 0
+        self._half_life = 8 * capacity
+
+    @property
+    def doorkeeper(self) -> bool:
+        return self._door.hits > self._admit_all.hits
+
+    def observe(self, key: BlockKey) -> bool:
+        """Feeds a use of `key` to the shadows if it is sampled; returns whether it is."""
+        if hash(key) % self._modulus:
+            return False
+        self.use(key)
+        return True
+
+    def use(self, key: BlockKey) -> None:
+        """Feeds a use of a key known to be sampled to both shadows."""
+        self._admit_all.use(key)
+        self._door.use(key)
+        self._uses += 1
+        if self._uses % self._half_life == 0:
+            self._admit_all.hits /= 2
+            self._door.hits /= 2
+
+
+class _ShadowCache:
+    """A key-only LRU cache that counts its hits; refuses first-sight keys if `doorkeeper`."""
+
+    __slots__ = ("capacity", "hits", "_doorkeeper", "_held", "_history", "_history_cap")
+
+    def __init__(self, capacity: int, history_factor: float, doorkeeper: bool) -> None:
+        self.capacity = capacity
+        self.hits = 0.0
+        self._doorkeeper = doorkeeper
+        self._held: OrderedDict[BlockKey, None] = OrderedDict()
+        self._history: OrderedDict[BlockKey, None] = OrderedDict()
+        self._history_cap = max(1, int(capacity * history_factor))
+
+    def use(self, key: BlockKey) -> None:
+        held = self._held
+        if key in held:
+            held.move_to_end(key)
+            self.hits += 1
+            return
+        full = len(held) >= self.capacity
+        if full and self._doorkeeper and key not in self._history:
+            self._remember(key)
+            return
+        self._history.pop(key, None)
+        held[key] = None
+        if full:
+            self._remember(held.popitem(last=False)[0])
+
+    def _remember(self, key: BlockKey) -> None:
+        self._history[key] = None
+        if len(self._history) > self._history_cap:
+            self._history.popitem(last=False)

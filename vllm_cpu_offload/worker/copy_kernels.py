@@ -1,0 +1,181 @@
+"""Triton kernels that copy scattered KV blocks between device memory and the host buffer.
+
+One launch copies a batch of (device block, host block) pairs for any set of layers that
+share one `KVLayout`, in either direction: every layer of a step's stores, or one layer of
+a step's loads. The data moves as raw integer words (the widest of 8/4/2/1 bytes that every
+address, stride and run length allows), so bf16, fp16, fp8 and fp32 caches are all the same
+to it. Host memory is pinned and mapped, so the kernel reads and writes it directly: no
+staging copy, and one launch instead of one DMA per block.
+
+Imports torch and triton only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_cpu_offload.worker.host_buffer import HostBuffer
+from vllm_cpu_offload.worker.kv_layout import KVLayout
+
+# Words per program per loop iteration, and warps per program. 1024 8-byte words is 8 KiB,
+# so a 64 KiB Llama-3-8B block (one layer, K and V, 16 tokens) is 8 programs and a batch of
+# 100 blocks x 32 layers is 25,600 programs: enough loads in flight to cover PCIe latency
+# on host->device reads, while each thread still issues 64-byte contiguous accesses.
+# NOT yet measured on a GPU (this machine has none): `benchmarks/transfer.py --sweep` runs
+# the sweep that should replace these values; see docs/transfer.md.
+BLOCK_WORDS = 1024
+NUM_WARPS = 4
+# Programs that share one run; more only adds loop-free programs with nothing to do.
+MAX_SPLITS = 64
+
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    layer_addrs,  # int64[num_layers]: address of each layer's device KV data
+    slot_offsets,  # int64[num_layers]: word offset of each layer's slot in a host block
+    host_addr,  # int64: address of host block 0
+    device_ids,  # int64[num_pairs]
+    host_ids,  # int64[num_pairs]
+    num_chunks,  # runs per block
+    block_stride,  # words between device blocks
+    chunk_stride,  # words between the runs of one device block
+    chunk_words,  # words per run
+    host_block_words,  # words per host block
+    WORD: tl.constexpr,
+    TO_HOST: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pair_chunk = tl.program_id(0)
+    layer = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    pair = pair_chunk // num_chunks
+    chunk = (pair_chunk % num_chunks).to(tl.int64)
+
+    device_block = tl.load(device_ids + pair)
+    host_block = tl.load(host_ids + pair)
+    device_base = tl.load(layer_addrs + layer).to(tl.pointer_type(WORD))
+    device = device_base + device_block * block_stride + chunk * chunk_stride
+    host_base = host_addr.to(tl.pointer_type(WORD))
+    host = host_base + host_block * host_block_words + tl.load(slot_offsets + layer)
+    host = host + chunk * chunk_words
+
+    offsets = tl.arange(0, BLOCK)
+    for start in range(split * BLOCK, chunk_words, num_splits * BLOCK):
+        idx = start + offsets
+        mask = idx < chunk_words
+        if TO_HOST:
+            tl.store(host + idx, tl.load(device + idx, mask=mask), mask=mask)
+        else:
+            tl.store(device + idx, tl.load(host + idx, mask=mask), mask=mask)
+
+
+def word_bytes(*byte_counts: int) -> int:
+    """Widest copy word (8, 4, 2 or 1 bytes) dividing every address, stride and size given."""
+    return math.gcd(8, *byte_counts)
+
+
+class _LayoutGroup:
+    """Layers that share one layout: one launch covers any subset given by index range."""
+
+    def __init__(
+        self, layout: KVLayout, names: list[str], tensors: list[torch.Tensor], host: HostBuffer
+    ) -> None:
+        self.layout = layout
+        self.names = names
+        host_addr = host.tensor.data_ptr()
+        addrs = [t.data_ptr() for t in tensors]
+        slots = [host.slot_offsets[n] for n in names]
+        word = word_bytes(
+            layout.block_stride,
+            layout.chunk_stride,
+            layout.chunk_bytes,
+            host.block_bytes,
+            host_addr,
+            *addrs,
+            *slots,
+        )
+        self.word = word
+        self.tl_word = _TL_WORDS[word]
+        self.host_addr = host_addr
+        self.host_block_words = host.block_bytes // word
+        device = tensors[0].device
+        self.layer_addrs = torch.tensor(addrs, dtype=torch.int64, device=device)
+        self.slot_offsets = torch.tensor(
+            [s // word for s in slots], dtype=torch.int64, device=device
+        )
+        self.chunk_words = layout.chunk_bytes // word
+        self.splits = min(MAX_SPLITS, triton.cdiv(self.chunk_words, BLOCK_WORDS))
+
+    def launch(
+        self, to_host: bool, device_ids: torch.Tensor, host_ids: torch.Tensor, lo: int, hi: int
+    ) -> None:
+        num_pairs = device_ids.numel()
+        if num_pairs == 0 or hi <= lo:
+            return
+        layout, word = self.layout, self.word
+        grid = (num_pairs * layout.num_chunks, hi - lo, self.splits)
+        _copy_blocks_kernel[grid](
+            self.layer_addrs[lo:hi],
+            self.slot_offsets[lo:hi],
+            self.host_addr,
+            device_ids,
+            host_ids,
+            layout.num_chunks,
+            layout.block_stride // word,
+            layout.chunk_stride // word,
+            self.chunk_words,
+            self.host_block_words,
+            WORD=self.tl_word,
+            TO_HOST=to_host,
+            BLOCK=BLOCK_WORDS,
+            num_warps=NUM_WARPS,
+        )
+
+
+class TritonBlockCopier:
+    """Copies blocks between the device KV caches and a `HostBuffer` with Triton kernels.
+
+    `kv_caches` holds the layers that own a host slot (one tensor per distinct cache).
+    Launches go to the current stream; callers pick the stream. Block ids must be int64
+    tensors on the caches' device, already validated against both block counts.
+    """
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer) -> None:
+        by_layout: dict[KVLayout, list[str]] = {}
+        for name in kv_caches:
+            by_layout.setdefault(host.layouts[name], []).append(name)
+        self._groups = [
+            _LayoutGroup(layout, names, [kv_caches[n] for n in names], host)
+            for layout, names in by_layout.items()
+        ]
+        self._where = {
+            name: (group, i) for group in self._groups for i, name in enumerate(group.names)
+        }
+
+    def copy(
+        self,
+        to_host: bool,
+        device_ids: torch.Tensor,
+        host_ids: torch.Tensor,
+        layers: Sequence[str] | None = None,
+    ) -> None:
+        """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given layers.
+
+        One launch per layout group covers all layers; a single named layer is one launch.
+        """
+        if layers is None:
+            for group in self._groups:
+                group.launch(to_host, device_ids, host_ids, 0, len(group.names))
+            return
+        for name in layers:
+            group, i = self._where[name]
+            group.launch(to_host, device_ids, host_ids, i, i + 1)

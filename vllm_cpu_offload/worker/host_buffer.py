@@ -1,0 +1,134 @@
+"""The host tier's memory: one allocation of `num_host_blocks` blocks, block-major.
+
+A host block holds every layer's KV of one device block back to back (layer slots in
+registration order; for each layer its runs in order), so one host block is one contiguous
+byte range: evicting, copying or hashing a block never touches another block's memory.
+
+    byte of (host block h, layer l, run c) = h * block_bytes + slot_offset[l] + c * chunk_bytes
+
+Pinned (page-locked and mapped) when CUDA is available, so device kernels read and write it
+directly; plain memory on the CPU platform. Pinning registers an ordinary allocation with
+`cudaHostRegister` instead of asking torch for pinned memory: torch's pinned allocator rounds
+every request up to a power of two, so a 40 GiB `--swap-space` would lock 64 GiB.
+This module imports torch only.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
+
+GIB = 1 << 30
+# cudaHostRegisterPortable | cudaHostRegisterMapped: usable from kernels on any device.
+_REGISTER_FLAGS = 0x1 | 0x2
+# Every layer slot starts on a 16-byte boundary so copies can move 8- or 16-byte words.
+SLOT_ALIGNMENT = 16
+
+
+class HostBufferError(RuntimeError):
+    """The host memory asked for by `--swap-space` could not be allocated or pinned."""
+
+
+def _align(n: int) -> int:
+    return -(-n // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+class HostBuffer:
+    """Host memory for `num_host_blocks` KV blocks of the given layers.
+
+    Attributes:
+        tensor: uint8 `[num_host_blocks, block_bytes]`, contiguous.
+        layouts: layer name -> its device layout, for the layers that own a slot.
+        slot_offsets: layer name -> byte offset of its slot inside every host block.
+        block_bytes: bytes of one host block (all layers).
+        pinned: whether the memory is page-locked.
+    """
+
+    def __init__(
+        self, layouts: Mapping[str, KVLayout], num_host_blocks: int, *, pin: bool | None = None
+    ) -> None:
+        if num_host_blocks < 1:
+            raise ValueError(f"num_host_blocks must be >= 1, got {num_host_blocks}")
+        if not layouts:
+            raise ValueError("a host buffer needs at least one layer")
+        self.layouts = dict(layouts)
+        self.slot_offsets: dict[str, int] = {}
+        offset = 0
+        for name, layout in self.layouts.items():
+            self.slot_offsets[name] = offset
+            offset += _align(layout.block_bytes)
+        self.block_bytes = offset
+        self.num_host_blocks = num_host_blocks
+        self.pinned = torch.cuda.is_available() if pin is None else pin
+        self.tensor = _allocate(num_host_blocks, self.block_bytes)
+        if self.pinned:
+            _pin(self.tensor)
+            # Unpinned when this buffer goes away, while its tensor is still alive.
+            weakref.finalize(self, _host_unregister, self.tensor.data_ptr())
+
+    @classmethod
+    def for_kv_caches(
+        cls,
+        kv_caches: Mapping[str, torch.Tensor],
+        num_host_blocks: int,
+        *,
+        num_blocks: int | None = None,
+        pin: bool | None = None,
+    ) -> HostBuffer:
+        """A buffer with one slot per distinct layer tensor (shared KV caches share a slot)."""
+        canonical = canonical_layers(kv_caches)
+        layouts = {
+            name: KVLayout.from_tensor(kv_caches[name], num_blocks=num_blocks)
+            for name in dict.fromkeys(canonical.values())
+        }
+        return cls(layouts, num_host_blocks, pin=pin)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_host_blocks * self.block_bytes
+
+    def block(self, host_block_id: int) -> torch.Tensor:
+        """The bytes of one host block (a view)."""
+        return self.tensor[host_block_id]
+
+    def layer_view(self, layer_name: str) -> torch.Tensor:
+        """uint8 `[num_host_blocks, layer block bytes]` view of one layer's slots."""
+        start = self.slot_offsets[layer_name]
+        return self.tensor[:, start : start + self.layouts[layer_name].block_bytes]
+
+
+def _allocate(num_blocks: int, block_bytes: int) -> torch.Tensor:
+    try:
+        return torch.empty((num_blocks, block_bytes), dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise _error(num_blocks * block_bytes, "host", f"the allocation failed: {e}") from e
+
+
+def _pin(t: torch.Tensor) -> None:
+    size = t.numel()
+    try:
+        code = _host_register(t.data_ptr(), size)
+    except (RuntimeError, AttributeError) as e:
+        raise _error(size, "pinned host", f"cudaHostRegister raised: {e}") from e
+    if code != 0:
+        raise _error(size, "pinned host", f"cudaHostRegister returned error {code}")
+
+
+def _error(size: int, kind: str, why: str) -> HostBufferError:
+    return HostBufferError(
+        f"--swap-space asked for {size / GIB:.2f} GiB of {kind} memory and {why}. "
+        "Lower --swap-space or free host memory."
+    )
+
+
+def _host_register(ptr: int, size: int) -> int:
+    """Page-locks and maps `size` bytes at `ptr`; returns the CUDA error code (0: success)."""
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, size, _REGISTER_FLAGS))
+
+
+def _host_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)

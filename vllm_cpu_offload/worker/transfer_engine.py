@@ -1,0 +1,389 @@
+"""Moves KV blocks between the device caches and the host buffer, one engine step at a time.
+
+On CUDA, loads run on a high-priority load stream and stores on a store stream, with events
+so that compute waits only for what it reads and never for a store:
+
+    start_loads(jobs)         load stream: wait for compute so far, then one launch per layer,
+                              each followed by that layer's event
+    wait_for_layer_load(l)    compute stream waits for layer l's event
+    store_layer(l, jobs)      store stream waits for compute so far, then one launch for layer l
+    finish_step()             compute waits for any load not yet waited for; layers that had
+                              no store hook are stored; one completion event per stream
+    poll_finished()           event.query(): jobs whose completion event fired, never blocks
+
+On the CPU platform the same calls copy synchronously (loads at `start_loads`, this step's
+stores all at once in `finish_step`), and everything is finished when `finish_step` returns.
+
+A job whose ids are out of range, or whose copy raises, is reported failed (the connector
+turns that into a recompute); it never raises out of a step or leaves a job unreported.
+Imports torch (and, on CUDA, triton) only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from vllm_cpu_offload.worker.cpu_copy import TorchBlockCopier
+from vllm_cpu_offload.worker.host_buffer import HostBuffer
+from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
+
+logger = logging.getLogger(__name__)
+
+Ids = Sequence[int] | torch.Tensor
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """Copy `device_block_ids[i]` <-> `host_block_ids[i]` for every layer."""
+
+    job_id: int
+    device_block_ids: Ids
+    host_block_ids: Ids
+
+
+@dataclass
+class FinishedJobs:
+    """Jobs that completed (or failed) since the last poll. A job is in exactly one set."""
+
+    stores: set[int] = field(default_factory=set)
+    loads: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads or self.failed)
+
+
+class BlockCopier(Protocol):
+    """Copies pairs of (device block, host block) for some layers (all when `layers` is None)."""
+
+    def copy(
+        self,
+        to_host: bool,
+        device_ids: torch.Tensor,
+        host_ids: torch.Tensor,
+        layers: Sequence[str] | None = None,
+    ) -> None: ...
+
+
+@dataclass
+class _Batch:
+    """The valid jobs of one call, with their ids ready on the copy device."""
+
+    job_ids: list[int]
+    sizes: list[int]  # blocks of each job, in order
+    device_ids: torch.Tensor
+    host_ids: torch.Tensor
+    staging: torch.Tensor | None = None  # pinned source of the ids, alive until done
+    layers_done: set[str] = field(default_factory=set)
+    failed: bool = False
+
+
+@dataclass
+class _Pending:
+    """Jobs whose copies are queued; done when `event` has fired."""
+
+    event: torch.cuda.Event
+    job_ids: list[int]
+    is_store: bool
+    keep_alive: list[_Batch]
+
+
+class TransferEngine:
+    """Owns the copies between `kv_caches` and `host_buffer`; see the module docstring.
+
+    Args:
+        kv_caches: layer name -> device KV cache, as vLLM registers them. Names that view the
+            same tensor (KV sharing) are copied once.
+        host_buffer: built for the same caches (`HostBuffer.for_kv_caches`).
+        copier: the block copier; by default Triton kernels on CUDA, torch views otherwise.
+        layerwise_stores: on CUDA, copy each layer as soon as its hook runs (stores finish
+            early, one launch per layer). False defers them to `finish_step`: one launch for
+            all layers, later completion. The CPU path always defers.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        host_buffer: HostBuffer,
+        *,
+        copier: BlockCopier | None = None,
+        layerwise_stores: bool = True,
+    ) -> None:
+        if not kv_caches:
+            raise ValueError("TransferEngine needs at least one KV cache")
+        self.host = host_buffer
+        self._canonical = canonical_layers(kv_caches)
+        self._layers = list(dict.fromkeys(self._canonical.values()))
+        caches = {name: kv_caches[name] for name in self._layers}
+        for name, t in caches.items():
+            expected = host_buffer.layouts.get(name)
+            if (
+                expected is None
+                or KVLayout.from_tensor(t, num_blocks=expected.num_blocks) != expected
+            ):
+                raise ValueError(f"host buffer has no slot matching layer {name!r}")
+        self.num_device_blocks = min(host_buffer.layouts[n].num_blocks for n in self._layers)
+        self.device = next(iter(caches.values())).device
+        self.use_streams = self.device.type == "cuda"
+        self._layerwise_stores = self.use_streams and layerwise_stores
+        self._copier: BlockCopier = copier or _default_copier(caches, host_buffer, self.device)
+
+        self._failed: set[int] = set()
+        self._finished = FinishedJobs()
+        self._pending: list[_Pending] = []
+        # This step's state.
+        self._loads: list[_Batch] = []
+        self._load_waited: set[str] = set()
+        self._stores: dict[tuple[int, ...], _Batch] = {}
+        if self.use_streams:
+            self._load_stream = torch.cuda.Stream(self.device, priority=-1)
+            self._store_stream = torch.cuda.Stream(self.device)
+            self._load_events = {n: torch.cuda.Event() for n in self._layers}
+
+    # ---- one engine step ----
+
+    def start_loads(self, jobs: Sequence[TransferJob]) -> None:
+        """Queues every layer's host->device copy of `jobs` (CPU: copies them now)."""
+        batch = self._batch(jobs)
+        if batch is None:
+            return
+        if not self.use_streams:
+            self._run_sync(False, batch)
+            self._finished.loads.update(batch.job_ids)
+            return
+        self._loads.append(batch)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._load_stream):
+            # Blocks handed to these loads may still be read by earlier compute work.
+            self._load_stream.wait_stream(compute)
+            self._to_device(batch)
+            for name in self._layers:
+                if not self._launch(False, batch, [name]):
+                    break
+                self._load_events[name].record(self._load_stream)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Makes the current stream wait for this layer's load only. O(1), never blocks."""
+        name = self._canonical[layer_name]
+        if not self._loads or name in self._load_waited:
+            return
+        self._load_waited.add(name)
+        torch.cuda.current_stream(self.device).wait_event(self._load_events[name])
+
+    def store_layer(self, layer_name: str, jobs: Sequence[TransferJob]) -> None:
+        """Queues this layer's device->host copy of `jobs` behind the compute written so far.
+
+        On CPU the copy is deferred to `finish_step`, where all layers go in one pass.
+        """
+        batch = self._store_batch(jobs)
+        if batch is None or not self._layerwise_stores:
+            return
+        name = self._canonical[layer_name]
+        if name in batch.layers_done or batch.failed:
+            return
+        batch.layers_done.add(name)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._store_stream):
+            self._store_stream.wait_stream(compute)
+            self._to_device(batch)
+            self._launch(True, batch, [name])
+
+    def finish_step(self) -> None:
+        """Ends the step: waits compute on unwaited loads, completes this step's stores."""
+        loads, stores = self._loads, list(self._stores.values())
+        self._loads, self._stores, self._load_waited = [], {}, set()
+        if not self.use_streams:
+            for batch in stores:
+                self._run_sync(True, batch)
+                self._finished.stores.update(batch.job_ids)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if loads:
+            # Layers without a load hook (or a failed launch) still must not race compute.
+            compute.wait_stream(self._load_stream)
+        for batch in loads:
+            self._track(self._load_stream, batch, is_store=False)
+        for batch in stores:
+            rest = [n for n in self._layers if n not in batch.layers_done]
+            if rest and not batch.failed:
+                with torch.cuda.stream(self._store_stream):
+                    self._store_stream.wait_stream(compute)
+                    self._to_device(batch)
+                    self._launch(True, batch, None if len(rest) == len(self._layers) else rest)
+            self._track(self._store_stream, batch, is_store=True)
+
+    def poll_finished(self) -> FinishedJobs:
+        """Jobs finished or failed since the last poll. Non-blocking (`event.query()`)."""
+        still: list[_Pending] = []
+        for p in self._pending:
+            try:
+                done = p.event.query()
+            except RuntimeError:
+                logger.exception("transfer of jobs %s failed on the device", p.job_ids)
+                self._failed.update(p.job_ids)
+                continue
+            if not done:
+                still.append(p)
+            elif p.is_store:
+                self._finished.stores.update(p.job_ids)
+            else:
+                self._finished.loads.update(p.job_ids)
+        self._pending = still
+        finished, self._finished = self._finished, FinishedJobs()
+        finished.failed, self._failed = self._failed, set()
+        finished.stores -= finished.failed
+        finished.loads -= finished.failed
+        return finished
+
+    def wait_all(self) -> None:
+        """Blocks until every queued copy is done; the next poll reports them."""
+        for p in self._pending:
+            try:
+                p.event.synchronize()
+            except RuntimeError:
+                logger.exception("transfer of jobs %s failed on the device", p.job_ids)
+
+    # ---- all layers at once, no bookkeeping (CPU paths, benchmarks, tests) ----
+
+    def copy_blocks(
+        self, to_host: bool, device_ids: Ids, host_ids: Ids, layers: Sequence[str] | None = None
+    ) -> None:
+        """Copies the pairs for `layers` (default all) on the current stream, unchecked."""
+        d = torch.as_tensor(device_ids, dtype=torch.int64).to(self.device)
+        h = torch.as_tensor(host_ids, dtype=torch.int64).to(self.device)
+        names = None if layers is None else list(dict.fromkeys(self._canonical[n] for n in layers))
+        self._copier.copy(to_host, d, h, names)
+
+    # ---- internals ----
+
+    def _store_batch(self, jobs: Sequence[TransferJob]) -> _Batch | None:
+        if not jobs:
+            return None
+        key = tuple(j.job_id for j in jobs)
+        if key not in self._stores:
+            batch = self._batch(jobs)
+            if batch is None:
+                return None
+            self._stores[key] = batch
+        return self._stores[key]
+
+    def _batch(self, jobs: Sequence[TransferJob]) -> _Batch | None:
+        """Validates the jobs (bad ones fail) and joins the valid ones' ids. O(blocks)."""
+        job_ids: list[int] = []
+        device: list[torch.Tensor] = []
+        host: list[torch.Tensor] = []
+        for job in jobs:
+            d = torch.as_tensor(job.device_block_ids, dtype=torch.int64).reshape(-1)
+            h = torch.as_tensor(job.host_block_ids, dtype=torch.int64).reshape(-1)
+            error = self._check(d, h)
+            if error:
+                logger.error("transfer job %d rejected: %s", job.job_id, error)
+                self._failed.add(job.job_id)
+                continue
+            job_ids.append(job.job_id)
+            device.append(d.cpu())
+            host.append(h.cpu())
+        if not job_ids:
+            return None
+        ids = torch.stack([torch.cat(device), torch.cat(host)])
+        sizes = [t.numel() for t in device]
+        if self.use_streams:
+            staging = ids.pin_memory()
+            return _Batch(job_ids, sizes, staging[0], staging[1], staging=staging)
+        return _Batch(job_ids, sizes, ids[0], ids[1])
+
+    def _check(self, d: torch.Tensor, h: torch.Tensor) -> str | None:
+        if d.numel() != h.numel():
+            return f"{d.numel()} device blocks but {h.numel()} host blocks"
+        if d.numel() == 0:
+            return None
+        if int(d.min()) < 0 or int(d.max()) >= self.num_device_blocks:
+            return f"device block id out of range [0, {self.num_device_blocks})"
+        if int(h.min()) < 0 or int(h.max()) >= self.host.num_host_blocks:
+            return f"host block id out of range [0, {self.host.num_host_blocks})"
+        return None
+
+    def _to_device(self, batch: _Batch) -> None:
+        """Moves the ids onto the device, on the current (side) stream, once per batch."""
+        if batch.staging is not None and batch.device_ids.device != self.device:
+            ids = batch.staging.to(self.device, non_blocking=True)
+            batch.device_ids, batch.host_ids = ids[0], ids[1]
+
+    def _launch(self, to_host: bool, batch: _Batch, names: list[str] | None) -> bool:
+        """Copies these layers (None: all) on the current stream; a raise fails the batch."""
+        try:
+            self._copier.copy(to_host, batch.device_ids, batch.host_ids, names)
+            return True
+        except Exception:
+            logger.exception("copy of layers %s failed; jobs %s fail", names, batch.job_ids)
+            batch.failed = True
+            self._failed.update(batch.job_ids)
+            return False
+
+    def _run_sync(self, to_host: bool, batch: _Batch) -> None:
+        """CPU: all layers at once; if that raises, job by job so only the bad ones fail."""
+        try:
+            self._copier.copy(to_host, batch.device_ids, batch.host_ids, None)
+            return
+        except Exception:
+            logger.exception("batched copy of jobs %s failed; retrying one by one", batch.job_ids)
+        ok: list[int] = []
+        offset = 0
+        for job_id, n in zip(batch.job_ids, batch.sizes, strict=True):
+            d = batch.device_ids[offset : offset + n]
+            h = batch.host_ids[offset : offset + n]
+            offset += n
+            try:
+                self._copier.copy(to_host, d, h, None)
+                ok.append(job_id)
+            except Exception:
+                logger.exception("copy of job %d failed", job_id)
+                self._failed.add(job_id)
+        batch.job_ids = ok
+
+    def _track(self, stream: torch.cuda.Stream, batch: _Batch, *, is_store: bool) -> None:
+        if batch.failed:
+            return
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._pending.append(_Pending(event, batch.job_ids, is_store, [batch]))
+
+
+def _default_copier(
+    caches: Mapping[str, torch.Tensor], host: HostBuffer, device: torch.device
+) -> BlockCopier:
+    if device.type != "cuda":
+        return TorchBlockCopier(caches, host)
+    try:
+        from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+
+        triton_copier = TritonBlockCopier(caches, host)
+        if host.pinned and _stores_block_zero(triton_copier, caches, host):
+            return triton_copier
+    except Exception:
+        logger.exception("Triton block copies are unavailable")
+    logger.warning("KV offload copies fall back to torch copies (slower, still correct)")
+    return TorchBlockCopier(caches, host)
+
+
+def _stores_block_zero(
+    copier: BlockCopier, caches: Mapping[str, torch.Tensor], host: HostBuffer
+) -> bool:
+    """Self-check at start-up: the kernel writes host memory where the layout says.
+
+    Kernels address pinned host memory through its host pointer, which needs a GPU and
+    platform with unified addressing; this catches one without it before any real job.
+    Overwrites host block 0, which holds nothing yet.
+    """
+    name, t = next(iter(caches.items()))
+    zero = torch.zeros(1, dtype=torch.int64, device=t.device)
+    host.tensor[0].fill_(0)
+    copier.copy(True, zero, zero, [name])
+    torch.cuda.synchronize(t.device)
+    expected = host.layouts[name].block_view(t, 0).cpu().reshape(-1)
+    return torch.equal(host.layer_view(name)[0], expected)
