@@ -93,7 +93,9 @@ def main() -> None:
     print(f"{'policy':<14}" + "".join(f"{c:>20}" for c in columns))
     rows = []
     for name in POLICY_NAMES:
-        runs = [bench_policy(name, args.blocks, args.chain, args.rounds) for _ in range(args.repeat)]
+        runs = [
+            bench_policy(name, args.blocks, args.chain, args.rounds) for _ in range(args.repeat)
+        ]
         best = {c: min(r[c] for r in runs) for c in columns}
         rows.append({"policy": name, **best})
         print(f"{name:<14}" + "".join(f"{best[c]:>20.3f}" for c in columns), flush=True)

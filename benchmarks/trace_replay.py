@@ -13,8 +13,12 @@ Only full blocks are cached, as in vLLM (the trace's last block of a request is 
 Blocks saved from prefill = g + h. Host tiers compared at equal capacity: our pool with
 `lru` and `prefix_aware`, vLLM 0.32's `CPUOffloadingManager` with `lru` and `arc` (driven
 through its own lookup/prepare_load/complete_load/touch/prepare_store/complete_store
-API), and Belady's offline optimum for the host tier (evict the block used farthest in
-the future, decline to admit one used later than every held block) as the limit.
+API), and two offline references: LRU that admits only blocks that will be used again
+("oracle-admit lru": perfect admission, no knowledge of when), and Belady's optimum for
+the host tier (evict the block used farthest in the future, decline to admit one used
+later than every held block; ties evict the deeper block) as the limit. Belady here knows
+every future use, including uses the GPU tier will serve, so it is a limit for the host
+tier, not an exact optimum of the two tiers together.
 
 Usage: /work/venv/bin/python benchmarks/trace_replay.py [--gpu-blocks G]
            [--host-blocks C ...] [--limit N] [--no-vllm]
@@ -35,9 +39,10 @@ from typing import Protocol
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
-from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
+from vllm_cpu_offload.scheduler.policies import LRUPolicy, make_policy  # noqa: E402
 
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 RESULTS = REPO / "benchmarks" / "results"
@@ -94,6 +99,27 @@ class OurTier:
         allocated = pool.allocate_for_store(keys, None)
         pool.complete_store([key for key, _ in allocated], True)
         return h
+
+
+class OracleAdmitLru(LRUPolicy):
+    """Reference, not a real policy: LRU that admits (when full) only blocks used again."""
+
+    reused: set[int] = set()
+
+    def admit(self, key: object) -> bool:
+        return key in self.reused
+
+
+class OracleAdmitTier(OurTier):
+    def __init__(self, capacity: int, next_use: list[list[int]]) -> None:
+        self.policy = OracleAdmitLru(capacity)
+        self.pool = HostBlockPool(capacity, self.policy, record_events=False)
+        self.next_use = next_use
+
+    def serve(self, index: int, keys: Sequence[int], gpu_hits: int) -> int:
+        nxt = self.next_use[index]
+        self.policy.reused = {key for key, use in zip(keys, nxt, strict=True) if use != NEVER}
+        return super().serve(index, keys, gpu_hits)
 
 
 class VllmTier:
@@ -223,10 +249,27 @@ def replay(trace: list[list[int]], gpu_blocks: int, tier: HostTier) -> dict[str,
     }
 
 
+def pool_costs() -> dict[str, dict[str, float]]:
+    """The pool's cost per block (pool_microbench.py at a smaller size), printed."""
+    from pool_microbench import bench_policy
+
+    columns = ["lookup", "store", "store+evict", "evict"]
+    print("pool cost, microseconds per block (65536 blocks, chains of 32, best of 3):")
+    print(f"{'policy':<14}" + "".join(f"{c:>13}" for c in columns))
+    costs = {}
+    for name in ("lru", "prefix_aware"):
+        runs = [bench_policy(name, 65536, 32, 1000) for _ in range(3)]
+        costs[name] = {c: min(r[c] for r in runs) for c in columns}
+        print(f"{name:<14}" + "".join(f"{costs[name][c]:>13.3f}" for c in columns))
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-blocks", type=int, default=1000)
-    parser.add_argument("--host-blocks", type=int, nargs="+", default=[2000, 4000, 8000, 16000])
+    parser.add_argument(
+        "--host-blocks", type=int, nargs="+", default=[2000, 4000, 8000, 16000, 32000]
+    )
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager")
     parser.add_argument("--policies", nargs="+", default=None, help="subset of tiers to run")
@@ -235,31 +278,43 @@ def main() -> None:
     trace = load_trace(args.limit)
     total = sum(map(len, trace))
     upcoming = next_uses(trace)
-    tiers: dict[str, Callable[[int], HostTier]] = {
-        "ours lru": lambda c: OurTier("lru", c),
-        "ours prefix_aware": lambda c: OurTier("prefix_aware", c),
-    }
+    tiers: dict[str, Callable[[int], HostTier]] = {}
     if not args.no_vllm:
         tiers["vllm lru"] = lambda c: VllmTier("lru", c)
         tiers["vllm arc"] = lambda c: VllmTier("arc", c)
+    tiers["ours lru"] = lambda c: OurTier("lru", c)
+    tiers["ours prefix_aware"] = lambda c: OurTier("prefix_aware", c)
+    tiers["oracle-admit lru"] = lambda c: OracleAdmitTier(c, upcoming)
     tiers["belady"] = lambda c: BeladyTier(c, upcoming)
     if args.policies:
         tiers = {name: make for name, make in tiers.items() if name in args.policies}
+    baseline = "vllm lru" if "vllm lru" in tiers else "ours lru"
 
     print(f"{len(trace)} requests, {total} blocks of 512 tokens, GPU tier {args.gpu_blocks} blocks")
-    header = f"{'host C':>7} {'tier':<18} {'host hits':>9} {'saved':>7} {'saved %':>7} {'s':>6}"
-    print(header)
+    print(f"gap closed: share of the ({baseline} -> belady) gap in blocks saved")
+    print(
+        f"{'host C':>7} {'tier':<18} {'host hits':>9} {'saved':>7} {'saved %':>8}"
+        f" {'gap closed':>10} {'s':>6}"
+    )
     rows = []
     for capacity in args.host_blocks:
+        batch = {}
         for name, make in tiers.items():
-            result = replay(trace, args.gpu_blocks, make(capacity))
-            row = {"host_blocks": capacity, "tier": name, **result}
-            rows.append(row)
+            batch[name] = replay(trace, args.gpu_blocks, make(capacity))
+        low = batch.get(baseline, {}).get("saved")
+        high = batch.get("belady", {}).get("saved")
+        for name, result in batch.items():
+            gap = None
+            if low is not None and high is not None and high != low:
+                gap = (result["saved"] - low) / (high - low)
+            rows.append({"host_blocks": capacity, "tier": name, "gap_closed": gap, **result})
+            shown = f"{100 * gap:>9.1f}%" if gap is not None else f"{'-':>10}"
             print(
                 f"{capacity:>7} {name:<18} {result['host_hits']:>9} {result['saved']:>7}"
-                f" {100 * result['saved'] / total:>6.2f}% {result['seconds']:>6.1f}",
+                f" {100 * result['saved'] / total:>7.2f}% {shown} {result['seconds']:>6.1f}",
                 flush=True,
             )
+    costs = pool_costs()
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "trace_replay.json"
     meta = {
@@ -269,7 +324,7 @@ def main() -> None:
         "machine": platform.platform(),
         "python": platform.python_version(),
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "pool_costs_us": costs}, indent=1))
     print(f"wrote {out}")
 
 

@@ -173,6 +173,13 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.shutdown()
 
+    @classmethod
+    @override
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Loads wait per layer and stores follow each layer's KV write: both need Python
+        # between the graph pieces, which a full CUDA graph would skip.
+        return True
+
     # ---- scheduler side ------------------------------------------------------------------
 
     @override

@@ -38,14 +38,17 @@ def _server_env() -> dict[str, str]:
 
 
 class EventListener:
-    """Subscribes to the server's KV events (ZMQ) and keeps every event it receives."""
+    """Receives the server's KV events and keeps them.
+
+    vLLM's publisher connects to a non-wildcard endpoint, so the listener binds it.
+    """
 
     def __init__(self, endpoint: str) -> None:
         import zmq
 
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(endpoint)
+        self._socket.bind(endpoint)
         self.events: list = []
 
     def drain(self, seconds: float) -> list:
@@ -81,6 +84,7 @@ def server(tiny_model: str, events_port: int) -> Iterator[str]:
         "--num-gpu-blocks-override", "16",
         "--max-model-len", "480",
         "--enforce-eager",
+        "--enable-prompt-tokens-details",
         "--dtype", "bfloat16",
         "--kv-events-config",
         '{"enable_kv_cache_events": true, "publisher": "zmq", '
@@ -163,7 +167,7 @@ def test_server_answers_completion_and_reuses_host_blocks(
 
     events = listener.drain(2.0)
     host_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
-    assert sum(len(e.block_hashes) for e in host_stored) >= 4 * 6
+    assert sum(len(e.block_hashes) for e in host_stored) >= 4 * 6, [type(e).__name__ + str(getattr(e, "medium", "")) for e in events][:20]
     assert all(not isinstance(e, BlockRemoved) or e.medium for e in events)
 
 

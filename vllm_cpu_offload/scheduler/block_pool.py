@@ -94,15 +94,17 @@ class HostBlockPool:
         is always at least as recent as its descendants.
         """
         hits: list[HostBlock] = []
-        held = self._held
+        append = hits.append
+        get = self._held.get
+        ready = BlockState.READY
         for key in keys:
-            block = held.get(key)
-            if block is None or block.state is not BlockState.READY:
+            block = get(key)
+            if block is None or block.state is not ready:
                 break
-            hits.append(block)
-        on_access = self.policy.on_access
-        for block in reversed(hits):
-            on_access(block)
+            append(block)
+        if hits:
+            hits.reverse()
+            self.policy.on_access(hits)
         return len(hits)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
@@ -110,12 +112,11 @@ class HostBlockPool:
 
         Keys that are missing or STORING are ignored. Deepest first, as in `count_hits`.
         """
-        held = self._held
-        on_access = self.policy.on_access
-        for key in reversed(keys):
-            block = held.get(key)
-            if block is not None and block.state is BlockState.READY:
-                on_access(block)
+        get = self._held.get
+        ready = BlockState.READY
+        used = [block for key in reversed(keys) if (block := get(key)) and block.state is ready]
+        if used:
+            self.policy.on_access(used)
 
     def pin(self, keys: Sequence[BlockKey]) -> list[int]:
         """Pins READY blocks for a load; returns their host block ids in order.
@@ -168,16 +169,17 @@ class HostBlockPool:
             The (key, host block id) pairs allocated, in chain order. O(1) per key.
         """
         held = self._held
+        free = self._free
+        policy = self.policy
         prev = held.get(parent) if parent is not None else None
         gap_above = parent is not None and prev is None
         allocated: list[tuple[BlockKey, int]] = []
         evicted: list[BlockKey] = []
         shielded: list[HostBlock] | None = None
-        policy = self.policy
         for index, key in enumerate(keys):
             block = held.get(key)
             if block is None:
-                if not self._free:
+                if not free:
                     if shielded is None:
                         shielded = self._shield(prev, keys)
                     if not policy.admit(key):
@@ -185,13 +187,27 @@ class HostBlockPool:
                             if later not in held:
                                 policy.on_declined(later)
                         break
-                block = self._take_block(evicted)
-                if block is None:
-                    break
-                self._attach(block, key, prev, gap_above)
+                    if not self._evict_one(evicted):
+                        break
+                block = free.pop()
+                # Attach: a STORING block, invisible to lookups, under `prev`.
+                block.key = key
+                block.state = BlockState.STORING
+                block.orphan = gap_above
+                block.parent = prev
+                if prev is not None:
+                    sibling = prev.first_child
+                    block.next_sibling = sibling
+                    if sibling is not None:
+                        sibling.prev_sibling = block
+                    prev.first_child = block
+                    prev.num_children += 1
+                held[key] = block
+                policy.on_insert(block)
                 allocated.append((key, block.block_id))
             prev = block
             gap_above = False
+        self._num_storing += len(allocated)
         if shielded:
             for block in reversed(shielded):  # ancestors last: they end the most recent
                 self._unpin_block(block)
@@ -212,16 +228,19 @@ class HostBlockPool:
         self._num_storing -= len(blocks)
         # Deepest first, so that each ancestor ends at least as recent as its descendants
         # and a failed chain is freed leaves first.
-        for block in reversed(blocks):
-            assert block is not None
-            if success:
-                block.state = BlockState.READY
-                self.policy.on_ready(block)
-            else:
+        done: list[HostBlock] = [block for block in reversed(blocks) if block is not None]
+        if success:
+            ready = BlockState.READY
+            for block in done:
+                block.state = ready
+            if done:
+                self.policy.on_ready(done)
+                if self._record_events:
+                    self._events.append(PoolEvent("stored", tuple(keys)))
+        else:
+            for block in done:
                 self.policy.on_remove(block)
                 self._release(block)
-        if success and blocks and self._record_events:
-            self._events.append(PoolEvent("stored", tuple(keys)))
 
     # ----- maintenance -----
 
@@ -299,36 +318,17 @@ class HostBlockPool:
             self._num_pinned -= 1
             self.policy.on_unpin(block)
 
-    def _take_block(self, evicted: list[BlockKey]) -> HostBlock | None:
-        if self._free:
-            return self._free.pop()
+    def _evict_one(self, evicted: list[BlockKey]) -> bool:
+        """Frees the policy's next victim; False if it has none."""
         victim = self.policy.pop_victim()
         if victim is None:
-            return None
+            return False
         assert victim.evictable, f"policy chose {victim}, which is not evictable"
         assert victim.owner is None, f"policy still lists its victim {victim}"
         assert victim.key is not None and self._held.get(victim.key) is victim
         evicted.append(victim.key)
         self._release(victim)
-        return self._free.pop()
-
-    def _attach(
-        self, block: HostBlock, key: BlockKey, parent: HostBlock | None, gap_above: bool
-    ) -> None:
-        assert block.key is None and block.owner is None
-        block.key = key
-        block.state = BlockState.STORING
-        block.orphan = gap_above
-        block.parent = parent
-        if parent is not None:
-            block.next_sibling = parent.first_child
-            if parent.first_child is not None:
-                parent.first_child.prev_sibling = block
-            parent.first_child = block
-            parent.num_children += 1
-        self._held[key] = block
-        self._num_storing += 1
-        self.policy.on_insert(block)
+        return True
 
     def _release(self, block: HostBlock) -> None:
         """Frees a block the policy no longer lists; its children become orphans."""

@@ -31,10 +31,11 @@ time it is listed.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .base import BlockKey, BlockList, EvictionPolicy, HostBlock
+from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
 
 _PROBATION = 0
 _PROTECTED = 1
@@ -140,22 +141,36 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._orphans.append(block)  # was parked; orphans go regardless of children
 
     def on_leaf(self, block: HostBlock) -> None:
-        if block.evictable and block.owner is None:
+        if block.owner is None and block.pin_count == 0 and block.state is BlockState.READY:
             # Parked at the head of its list and not used since: older than every block
             # listed there now, so it goes back to the head.
             self._home(block).appendleft(block)
-            self._shrink_protected()
+            if self._num_protected > self._protected_cap:
+                self._shrink_protected()
 
     def pop_victim(self) -> HostBlock | None:
         victim = self._orphans.head
         if victim is None:
-            victim = self._head_leaf(self._probation) or self._head_leaf(self._protected)
+            victim = self._head_leaf(self._probation)
+            oldest_protected = self._head_leaf(self._protected)
+            if victim is None or (
+                # Admitting everything: segments off, the least recent leaf goes (LRU).
+                oldest_protected is not None
+                and not self._duel.doorkeeper
+                and oldest_protected.stamp < victim.stamp
+            ):
+                victim = oldest_protected
             if victim is None:
                 return None
         assert victim.owner is not None
         victim.owner.remove(victim)
-        self._set_segment(victim, _PROBATION)
-        self._remember(victim.key)
+        if victim.segment == _PROTECTED:
+            victim.segment = _PROBATION
+            self._num_protected -= 1
+        history = self._history
+        history[victim.key] = None
+        if len(history) > self._history_cap:
+            history.popitem(last=False)
         return victim
 
     def reset(self) -> None:
@@ -234,7 +249,13 @@ class AdmissionDuel:
 
     @property
     def doorkeeper(self) -> bool:
-        return self._door.hits > self._admit_all.hits
+        """True when the doorkeeper's shadow hits more, by more than sampling noise.
+
+        Hit counts are roughly Poisson: the difference must exceed two standard
+        deviations (2 * sqrt(sum)) before the pool starts refusing keys.
+        """
+        door, admit_all = self._door.hits, self._admit_all.hits
+        return door - admit_all > 2.0 * math.sqrt(door + admit_all)
 
     def observe(self, key: BlockKey) -> bool:
         """Feeds a use of `key` to the shadows if it is sampled; returns whether it is."""
