@@ -29,7 +29,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read the connector's count
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from vllm_cpu_offload.testing.tiny_model import TinyLlamaShape, ensure_tiny_llama, random_words
+from vllm_cpu_offload.testing.tiny_model import TinyLlamaShape, ensure_tiny_llama, random_token_ids
 
 BLOCK_SIZE = 32
 RESULTS = Path(__file__).parent / "results"
@@ -105,8 +105,9 @@ def _host_hits(llm: Any) -> int:
     return 0 if connector is None else int(connector.scheduler.stats.hit_tokens)
 
 
-def _phase(llm: Any, mode: str, prompts: list[str], order: list[int]) -> PhaseResult:
+def _phase(llm: Any, mode: str, prompts: list[list[int]], order: list[int]) -> PhaseResult:
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     host_before = _host_hits(llm)
@@ -114,7 +115,7 @@ def _phase(llm: Any, mode: str, prompts: list[str], order: list[int]) -> PhaseRe
     start = time.perf_counter()
     for i in order:
         t0 = time.perf_counter()
-        out = llm.generate([prompts[i]], params, use_tqdm=False)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)[0]
         latencies.append(time.perf_counter() - t0)
         cached += out.num_cached_tokens or 0
         prompt_tokens += len(out.prompt_token_ids)
@@ -144,13 +145,13 @@ def run_mode(
         for n in docs:
             llm.reset_prefix_cache(reset_connector=True)
             rng = random.Random(n)
-            prompts = [random_words(rng, args.doc_tokens) for _ in range(n)]
+            prompts = [random_token_ids(rng, args.doc_tokens) for _ in range(n)]
             warm = _phase(llm, mode, prompts, list(range(n)))
             again = _phase(llm, mode, prompts, _repeat_order(n, args.repeat_mode, rng))
             results.append({"docs": n, "warmup": asdict(warm), "reread": asdict(again)})
         llm.reset_prefix_cache(reset_connector=True)
         rng = random.Random(12345)
-        unique = [random_words(rng, args.doc_tokens) for _ in range(args.no_reuse_docs)]
+        unique = [random_token_ids(rng, args.doc_tokens) for _ in range(args.no_reuse_docs)]
         once = _phase(llm, mode, unique, list(range(len(unique))))
         results.append({"docs": 0, "no_reuse": asdict(once)})
     finally:

@@ -124,6 +124,7 @@ class HostTierScheduler:
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
         )
         self._step_loads, self._delayed_free = [], []
+        self.stats.preempted_requests += len(meta.preempted_req_ids)
         for req_id in meta.preempted_req_ids:
             if (state := self._requests.get(req_id)) is not None:
                 # Its device blocks are gone; on resume, the lookup finds what was stored.

@@ -17,6 +17,7 @@ class TierStats:
     evicted_blocks: int = 0
     failed_loads: int = 0
     failed_stores: int = 0
+    preempted_requests: int = 0
 
     @property
     def loaded_bytes(self) -> int:

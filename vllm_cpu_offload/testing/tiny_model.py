@@ -56,6 +56,12 @@ def random_words(rng: random.Random, n: int) -> str:
     return " ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(n))
 
 
+def random_token_ids(rng: random.Random, n: int) -> list[int]:
+    """`n` token ids of words (no special tokens) of the generated tokenizer."""
+    first = len(SPECIAL_TOKENS)
+    return [first + rng.randrange(VOCAB_WORDS) for _ in range(n)]
+
+
 def ensure_tiny_llama(shape: TinyLlamaShape = TEST_SHAPE, root: Path | None = None) -> Path:
     """Returns the folder of the model of `shape`, generating it on first use."""
     folder = (root or cache_root()) / "models" / shape.name

@@ -9,20 +9,21 @@ block is reused at least as often as any of its descendants. So:
    the head of its list it is parked (unlisted) until its last child leaves, then goes
    back to the head, since it was older than everything listed. Evicting only leaves
    never creates orphans.
-3. Segmented LRU. New blocks enter probation; a block used again while held moves to
-   the protected segment (at most `protected_fraction` of the pool, its least recent
-   leaf demoted back to probation on overflow). Victims come from probation first.
+3. Two modes, chosen online. The pool is either *admitting* (every new key may evict:
+   the least recent leaf goes, as in LRU) or *guarding*: a key seen for the first time
+   while the pool is full is refused and only remembered, so it gets in on its second
+   sight (a doorkeeper), and victims come from a probation segment first: blocks used
+   again while held sit in a protected segment of at most `protected_fraction` of the
+   pool. Guarding keeps a thrashing pool from trading blocks that will be reused for
+   blocks seen once (the last turn of a conversation, one-off documents); admitting is
+   better once the pool spans most reuse distances. Which one wins depends on the pool
+   size against the workload, so the policy measures both: two small shadow LRU caches,
+   one per rule, replay a hash sample of the keys (spatial sampling, as in SHARDS), and
+   the pool guards while the doorkeeper's shadow hits more, by more than sampling noise
+   (set dueling, as in DIP).
 4. History. Keys that left (or were refused) are remembered, `history_factor` times as
-   many as the pool holds. A remembered key that is stored again has proven a reuse
-   and starts protected.
-5. Adaptive admission. When the pool is full, a key seen for the first time may either
-   evict a block (admit-all, as LRU) or be refused and only remembered, so that it gets
-   in on its second sight (a doorkeeper, which keeps a thrashing pool from trading
-   blocks that will be reused for blocks that will not). Which of the two is better
-   depends on the pool size against the workload's reuse distances, so the policy
-   measures both online: two small shadow LRU caches, one per rule, replay a hash
-   sample of the keys (spatial sampling, as in SHARDS), and the rule whose shadow hits
-   more (exponentially decayed counts) governs the pool, as in set dueling (DIP).
+   many as the pool holds. A remembered key that is stored again has proven a reuse:
+   it is admitted even while guarding, and starts protected.
 
 Recency is a monotonic stamp, never wall-clock time. Every hook is O(1); a hook that
 parks blocks does O(1) work per block parked, and each block is parked at most once per
@@ -42,7 +43,7 @@ _PROTECTED = 1
 
 
 class PrefixAwarePolicy(EvictionPolicy):
-    """Leaf-first, orphan-first segmented LRU with adaptive admission; see the module doc."""
+    """Leaf-first, orphan-first LRU with an adaptive doorkeeper; see the module docstring."""
 
     name = "prefix_aware"
 
