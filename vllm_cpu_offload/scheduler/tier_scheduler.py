@@ -96,9 +96,12 @@ class HostTierScheduler:
     ) -> None:
         """Plans the load of the host hit into the device blocks vLLM just allocated."""
         state = self._state(request)
+        first, hits = state.lookup
+        if first:
+            # Device hits are uses of the host copies too: the policy keeps the chain warm.
+            self.pool.touch(_keys(request.block_hashes, 0, first))
         if num_external_tokens == 0:
             return
-        first, hits = state.lookup
         count = num_external_tokens // self.block_size
         assert count * self.block_size == num_external_tokens and count <= hits
         keys = _keys(request.block_hashes, first, first + count)
