@@ -1,0 +1,223 @@
+"""The scheduler half, method by method, with vLLM's own Request, block hasher and KV manager."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import Request  # noqa: E402
+
+from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport  # noqa: E402
+from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool  # noqa: E402
+from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
+from vllm_cpu_offload.scheduler.tier_scheduler import KV_GROUP, HostTierScheduler  # noqa: E402
+
+BS = 4  # tokens per block
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+
+
+class Engine:
+    """vLLM's KV manager plus our scheduler half, stepped the way vLLM's scheduler does."""
+
+    def __init__(self, host_blocks: int = 8, workers: int = 1, policy: str = "lru") -> None:
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+        config = KVCacheConfig(
+            num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
+        )
+        self.kv = KVCacheManager(
+            config, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS
+        )
+        pool = HostBlockPool(host_blocks, make_policy(policy, host_blocks))
+        self.tier = HostTierScheduler(pool, block_size=BS, num_workers=workers, block_bytes=64)
+        self.tier.bind_kv_cache_manager(self.kv)
+
+    def admit(self, request: Request) -> int:
+        """Lookup, allocation and load plan of a new request (no device hit); returns the hit."""
+        hit = self.tier.get_num_new_matched_tokens(request, 0)
+        self.kv.allocate_slots(request, request.num_tokens - hit, num_external_computed_tokens=hit)
+        self.tier.update_state_after_alloc(
+            request, self.kv.get_block_ids(request.request_id)[0], hit
+        )
+        request.num_computed_tokens = hit
+        return hit
+
+    def step(
+        self, scheduled: dict[str, int], preempted: set[str] | None = None
+    ) -> OffloadStepMetadata:
+        out = SchedulerOutput.make_empty()
+        out.num_scheduled_tokens = scheduled
+        out.preempted_req_ids = preempted
+        meta = self.tier.build_connector_meta(out)
+        assert isinstance(meta, OffloadStepMetadata)
+        return meta
+
+    def report(self, *job_ids: int, failed: tuple[int, ...] = ()) -> None:
+        self.tier.update_connector_output(OffloadWorkerReport(Counter(job_ids), set(failed)))
+
+
+def _request(req_id: str, tokens: list[int]) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=HASHER)
+
+
+def _prefill(engine: Engine, request: Request) -> OffloadStepMetadata:
+    hit = engine.admit(request)
+    meta = engine.step({request.request_id: request.num_tokens - hit})
+    request.num_computed_tokens = request.num_tokens
+    return meta
+
+
+def _key(request: Request, i: int) -> Any:
+    return (KV_GROUP, request.block_hashes[i])
+
+
+def test_store_plan_covers_the_full_blocks_of_the_step() -> None:
+    # 10 tokens of 4-token blocks: two full blocks are stored, from their device blocks.
+    engine = Engine()
+    request = _request("a", list(range(10)))
+    meta = _prefill(engine, request)
+    (store,) = meta.stores
+    assert store.device_block_ids == engine.kv.get_block_ids("a")[0][:2]
+    assert len(set(store.host_block_ids)) == 2
+    assert engine.tier.pool.state_of(_key(request, 0)) is BlockState.STORING
+
+
+def test_stored_blocks_are_visible_only_after_the_report() -> None:
+    # Before the worker reports the store, a twin request misses; after, it hits.
+    engine = Engine()
+    meta = _prefill(engine, _request("a", list(range(10))))
+    twin = _request("b", list(range(10)))
+    assert engine.tier.get_num_new_matched_tokens(twin, 0) == 0
+    engine.report(meta.stores[0].job_id)
+    assert engine.tier.get_num_new_matched_tokens(twin, 0) == 2 * BS
+
+
+def test_lookup_starts_after_the_device_hit_and_leaves_one_token() -> None:
+    # The hit is contiguous from the device hit on, and never the whole prompt.
+    engine = Engine()
+    meta = _prefill(engine, _request("a", list(range(8))))
+    engine.report(meta.stores[0].job_id)
+    twin = _request("b", list(range(8)))
+    assert engine.tier.get_num_new_matched_tokens(twin, 0) == BS  # 8 tokens: last block kept
+    assert engine.tier.get_num_new_matched_tokens(twin, BS) == 0
+    longer = _request("c", list(range(8)) + [99])
+    assert engine.tier.get_num_new_matched_tokens(longer, BS) == BS
+
+
+def test_load_plan_pins_host_blocks_until_the_load_is_reported() -> None:
+    # A hit becomes a load into the new device blocks; its host blocks stay pinned till done.
+    engine = Engine()
+    meta = _prefill(engine, _request("a", list(range(10))))
+    engine.report(meta.stores[0].job_id)
+    twin = _request("b", list(range(10)))
+    assert engine.admit(twin) == 2 * BS
+    meta = engine.step({"b": 2})
+    (load,) = meta.loads
+    assert load.device_block_ids == engine.kv.get_block_ids("b")[0][:2]
+    assert engine.tier.pool.num_pinned == 2
+    assert not meta.stores, "loaded blocks are not stored again"
+    engine.report(load.job_id)
+    assert engine.tier.pool.num_pinned == 0
+    assert engine.tier.stats.hit_tokens == 2 * BS and engine.tier.stats.loaded_blocks == 2
+
+
+def test_a_job_completes_once_every_worker_reported_it() -> None:
+    # With two workers, one report is not enough for the store to become visible.
+    engine = Engine(workers=2)
+    request = _request("a", list(range(10)))
+    job = _prefill(engine, request).stores[0].job_id
+    engine.report(job)
+    assert engine.tier.pool.state_of(_key(request, 0)) is BlockState.STORING
+    engine.report(job)
+    assert engine.tier.pool.state_of(_key(request, 0)) is BlockState.READY
+
+
+def test_finished_request_with_store_in_flight_is_freed_late() -> None:
+    # request_finished keeps the device blocks while a store reads them, and says so to workers.
+    engine = Engine()
+    busy, idle = _request("a", list(range(10))), _request("b", list(range(20, 30)))
+    _prefill(engine, busy)
+    job = _prefill(engine, idle).stores[0].job_id
+    engine.report(job)
+    assert engine.tier.request_finished(busy) is True
+    assert engine.tier.request_finished(idle) is False
+    assert engine.step({}).delayed_free_req_ids == ["a"]
+
+
+def test_failed_store_frees_its_blocks_and_failed_load_unpins() -> None:
+    # Faults cost a miss: nothing failed becomes visible, nothing stays pinned.
+    engine = Engine()
+    request = _request("a", list(range(10)))
+    job = _prefill(engine, request).stores[0].job_id
+    engine.report(failed=(job,))
+    assert _key(request, 0) not in engine.tier.pool
+    assert engine.tier.stats.failed_stores == 1
+
+    meta = _prefill(engine, _request("c", list(range(10))))
+    engine.report(meta.stores[0].job_id)
+    twin = _request("d", list(range(10)))
+    engine.admit(twin)
+    load = engine.step({"d": 2}).loads[0]
+    engine.report(failed=(load.job_id,))
+    assert engine.tier.pool.num_pinned == 0 and engine.tier.stats.failed_loads == 1
+
+
+def test_preemption_restarts_the_store_plan() -> None:
+    # A preempted request lost its device blocks; the next plan starts from block 0 again,
+    # and skips what the host tier holds already.
+    engine = Engine()
+    request = _request("a", list(range(10)))
+    engine.report(_prefill(engine, request).stores[0].job_id)
+    engine.kv.free(request)
+    meta = engine.step({}, preempted={"a"})
+    assert meta.preempted_req_ids == ["a"]
+    assert engine.tier.stats.preempted_requests == 1
+    request.num_computed_tokens = 0
+    engine.admit(request)
+    meta = engine.step({"a": request.num_tokens - request.num_computed_tokens})
+    assert not meta.stores  # both full blocks are held already
+
+
+def test_decode_blocks_are_stored_as_they_fill() -> None:
+    # Tokens appended by decoding complete a block: that block is stored too.
+    engine = Engine()
+    request = _request("a", list(range(7)))
+    meta = _prefill(engine, request)
+    assert [len(s.host_block_ids) for s in meta.stores] == [1]
+    request.append_output_token_ids(100)
+    engine.kv.allocate_slots(request, 1)
+    meta = engine.step({"a": 1})
+    assert [len(s.host_block_ids) for s in meta.stores] == [1]
+
+
+def test_reset_cache_drops_every_ready_block() -> None:
+    # reset_cache empties the host tier; lookups miss afterwards.
+    engine = Engine()
+    engine.report(_prefill(engine, _request("a", list(range(10)))).stores[0].job_id)
+    assert engine.tier.reset_cache() is True
+    assert engine.tier.pool.num_used == 0
+    assert engine.tier.get_num_new_matched_tokens(_request("b", list(range(10))), 0) == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix_aware"])
+def test_stores_beyond_capacity_are_skipped_not_errors(policy: str) -> None:
+    # A host tier of 2 blocks and a 5-block prompt: the pool never exceeds its size.
+    engine = Engine(host_blocks=2, policy=policy)
+    meta = _prefill(engine, _request("a", list(range(21))))
+    assert sum(len(s.host_block_ids) for s in meta.stores) <= 2
+    assert engine.tier.pool.num_used <= 2
