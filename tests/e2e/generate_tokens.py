@@ -16,13 +16,16 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def main(model: str) -> None:
+    # Nothing of vllm_cpu_offload is imported here: importing the package applies the plugin.
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import has_kv_transfer_group
-
-    from vllm_cpu_offload.testing.tiny_model import random_words
+    from vllm.inputs import TokensPrompt
 
     rng = random.Random(3)
-    prompts = [random_words(rng, n) for n in (40, 100, 300)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=[3 + rng.randrange(4000) for _ in range(n)])
+        for n in (40, 100, 300)
+    ]
     llm = LLM(
         model,
         enforce_eager=True,
