@@ -1,0 +1,67 @@
+"""The worker half on CPU tensors: steps, reports, delayed frees and faults."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata  # noqa: E402
+from vllm_cpu_offload.worker.tier_worker import HostTierWorker  # noqa: E402
+
+LAYERS, BLOCKS, HOST_BLOCKS = 2, 8, 4
+
+
+def _worker() -> tuple[HostTierWorker, dict[str, torch.Tensor]]:
+    # vLLM's CPU layout: [blocks, kv_heads, block_size, 2 * head_dim] per layer.
+    caches = {f"l{i}": torch.randn(BLOCKS, 2, 4, 16) for i in range(LAYERS)}
+    worker = HostTierWorker(HOST_BLOCKS, BLOCKS)
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def _step(worker: HostTierWorker, meta: OffloadStepMetadata) -> set[str] | None:
+    worker.begin_step(meta)
+    worker.start_loads(meta)
+    for i in range(LAYERS):
+        worker.wait_for_layer_load(f"l{i}")
+        worker.save_layer(f"l{i}")
+    worker.finish_step()
+    return worker.get_finished()
+
+
+def test_store_then_load_round_trips_the_bytes_and_reports_both_jobs() -> None:
+    # Store device block 5 into host block 2, load it back into device block 1.
+    worker, caches = _worker()
+    expected = {name: t[5].clone() for name, t in caches.items()}
+    _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, "a", [5], [2])]))
+    _step(worker, OffloadStepMetadata(loads=[BlockTransfer(2, "b", [1], [2])]))
+    for name, t in caches.items():
+        assert torch.equal(t[1], expected[name])
+    report = worker.take_report()
+    assert report is not None and dict(report.finished) == {1: 1, 2: 1} and not report.failed
+    assert worker.take_report() is None
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["store_seconds"] > 0
+
+
+def test_failed_load_reports_its_device_blocks_for_recompute() -> None:
+    # A host id out of range fails its job only; vLLM is told which device blocks to redo.
+    worker, _ = _worker()
+    meta = OffloadStepMetadata(
+        loads=[BlockTransfer(7, "a", [3, 4], [0, HOST_BLOCKS + 5]), BlockTransfer(8, "b", [6], [1])]
+    )
+    _step(worker, meta)
+    assert worker.take_load_errors() == {3, 4}
+    report = worker.take_report()
+    assert report is not None and report.failed == {7} and dict(report.finished) == {8: 1}
+
+
+def test_delayed_free_is_reported_once_the_request_has_no_store_left() -> None:
+    # The scheduler held request a's blocks; the worker releases a once its stores are done.
+    worker, _ = _worker()
+    assert _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, "a", [2], [0])])) is None
+    assert _step(worker, OffloadStepMetadata(delayed_free_req_ids=["a"])) == {"a"}
+    assert _step(worker, OffloadStepMetadata()) is None
