@@ -94,3 +94,22 @@ def test_aborted_requests_leave_nothing_behind(offload_llm: Any) -> None:
     offload_llm.reset_prefix_cache()  # device only: the host tier must serve the next read
     _generate(offload_llm, [prompts[0] + _words(300, 5)], max_tokens=2)
     assert sched.stats.hit_tokens - hits >= 3 * BLOCK_SIZE
+
+
+def test_requests_sharing_a_prefix_load_it_once_without_waiting(offload_llm: Any) -> None:
+    # Two requests with one host-resident prefix arrive together: the first loads it within
+    # the step, the second finds it in the device cache; the prefix is loaded once.
+    sched = scheduler_connector(offload_llm).scheduler
+    prefix = _words(400, 5 * BLOCK_SIZE)
+    prompts = [prefix + _words(401, 9), prefix + _words(402, 9)]
+    alone = [
+        list(_generate(offload_llm, [p], max_tokens=8)[0].outputs[0].token_ids) for p in prompts
+    ]
+    for seed in range(403, 407):
+        _generate(offload_llm, [_words(seed, 6 * BLOCK_SIZE)], max_tokens=2)
+    loaded = sched.stats.loaded_blocks
+    together = _generate(offload_llm, prompts, max_tokens=8)
+    assert sched.stats.loaded_blocks - loaded == 5
+    assert [list(o.outputs[0].token_ids) for o in together] == alone
+    assert [o.num_cached_tokens for o in together] == [5 * BLOCK_SIZE] * 2
+    _assert_idle(sched)
