@@ -268,7 +268,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-blocks", type=int, default=1000)
     parser.add_argument(
-        "--host-blocks", type=int, nargs="+", default=[2000, 4000, 8000, 16000, 32000]
+        "--host-blocks",
+        type=int,
+        nargs="+",
+        default=[1000, 2000, 3000, 4000, 6000, 8000, 12000, 16000, 24000, 32000],
     )
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from .policies.base import BlockKey, BlockState, EvictionPolicy, HostBlock
 
@@ -169,44 +169,56 @@ class HostBlockPool:
             The (key, host block id) pairs allocated, in chain order. O(1) per key.
         """
         held = self._held
+        get = held.get
         free = self._free
+        pop = free.pop
         policy = self.policy
-        prev = held.get(parent) if parent is not None else None
+        storing = BlockState.STORING
+        prev = get(parent) if parent is not None else None
         gap_above = parent is not None and prev is None
         allocated: list[tuple[BlockKey, int]] = []
+        add = allocated.append
+        inserted: list[HostBlock] = []  # reported to the policy in one batch
         evicted: list[BlockKey] = []
         shielded: list[HostBlock] | None = None
-        for index, key in enumerate(keys):
-            block = held.get(key)
+        for key in keys:
+            block = get(key)
             if block is None:
                 if not free:
+                    if inserted:
+                        policy.on_insert(inserted)
+                        inserted = []
                     if shielded is None:
                         shielded = self._shield(prev, keys)
                     if not policy.admit(key):
-                        for later in keys[index + 1 :]:
+                        # The first `key` in `keys`: an earlier copy would be held now.
+                        for later in keys[keys.index(key) + 1 :]:
                             if later not in held:
                                 policy.on_declined(later)
                         break
                     if not self._evict_one(evicted):
                         break
-                block = free.pop()
+                block = pop()
                 # Attach: a STORING block, invisible to lookups, under `prev`.
                 block.key = key
-                block.state = BlockState.STORING
-                block.orphan = gap_above
+                block.state = storing
+                if gap_above:  # a free block is never an orphan: `_release` clears it
+                    block.orphan = True
                 block.parent = prev
                 if prev is not None:
                     sibling = prev.first_child
-                    block.next_sibling = sibling
                     if sibling is not None:
+                        block.next_sibling = sibling
                         sibling.prev_sibling = block
                     prev.first_child = block
                     prev.num_children += 1
                 held[key] = block
-                policy.on_insert(block)
-                allocated.append((key, block.block_id))
+                inserted.append(block)
+                add((key, block.block_id))
             prev = block
             gap_above = False
+        if inserted:
+            policy.on_insert(inserted)
         self._num_storing += len(allocated)
         if shielded:
             for block in reversed(shielded):  # ancestors last: they end the most recent
@@ -221,24 +233,28 @@ class HostBlockPool:
         Raises:
             ValueError: a key is not a STORING block of the pool (nothing changes then).
         """
-        blocks = [self._held.get(key) for key in keys]
-        for key, block in zip(keys, blocks, strict=True):
-            if block is None or block.state is not BlockState.STORING:
-                raise ValueError(f"cannot complete {key!r}: it is not being stored")
-        self._num_storing -= len(blocks)
+        get = self._held.get
+        storing = BlockState.STORING
         # Deepest first, so that each ancestor ends at least as recent as its descendants
         # and a failed chain is freed leaves first.
-        done: list[HostBlock] = [block for block in reversed(blocks) if block is not None]
+        done = [get(key) for key in reversed(keys)]
+        for block in done:
+            if block is None or block.state is not storing:
+                bad = next(k for k in keys if (b := get(k)) is None or b.state is not storing)
+                raise ValueError(f"cannot complete {bad!r}: it is not being stored")
+        self._num_storing -= len(done)
+        if not done:
+            return
+        checked = cast("list[HostBlock]", done)  # no None: checked above
         if success:
             ready = BlockState.READY
-            for block in done:
+            for block in checked:
                 block.state = ready
-            if done:
-                self.policy.on_ready(done)
-                if self._record_events:
-                    self._events.append(PoolEvent("stored", tuple(keys)))
+            self.policy.on_ready(checked)
+            if self._record_events:
+                self._events.append(PoolEvent("stored", tuple(keys)))
         else:
-            for block in done:
+            for block in checked:
                 self.policy.on_remove(block)
                 self._release(block)
 

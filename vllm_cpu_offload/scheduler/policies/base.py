@@ -96,10 +96,12 @@ class BlockList:
     allocation-free and makes no further calls, except iteration and `clear`.
     """
 
-    __slots__ = ("_root", "size")
+    __slots__ = ("root", "size")
 
     def __init__(self) -> None:
-        self._root = HostBlock(-1)  # sentinel: _root.next is the head, _root.prev the tail
+        # Sentinel: root.next is the head, root.prev the tail. Public so that a policy may
+        # inline a list operation on its hot path.
+        self.root = HostBlock(-1)
         self.size = 0
 
     def __len__(self) -> int:
@@ -109,20 +111,20 @@ class BlockList:
         return block.owner is self
 
     def __iter__(self) -> Iterator[HostBlock]:
-        node = self._root.next
-        while node is not self._root:
+        node = self.root.next
+        while node is not self.root:
             yield node
             node = node.next
 
     @property
     def head(self) -> HostBlock | None:
-        node = self._root.next
-        return None if node is self._root else node
+        node = self.root.next
+        return None if node is self.root else node
 
     def append(self, block: HostBlock) -> None:
         """Inserts at the tail (last to be evicted)."""
         assert block.owner is None, f"{block} is already in a list"
-        root = self._root
+        root = self.root
         tail = root.prev
         block.prev = tail
         block.next = root
@@ -134,7 +136,7 @@ class BlockList:
     def appendleft(self, block: HostBlock) -> None:
         """Inserts at the head (next to be evicted)."""
         assert block.owner is None, f"{block} is already in a list"
-        root = self._root
+        root = self.root
         head = root.next
         block.prev = root
         block.next = head
@@ -155,7 +157,7 @@ class BlockList:
     def move_to_end(self, block: HostBlock) -> None:
         """Moves a block of this list to its tail."""
         assert block.owner is self, f"{block} is not in this list"
-        root = self._root
+        root = self.root
         tail = root.prev
         if tail is block:
             return
@@ -167,9 +169,44 @@ class BlockList:
         tail.next = block
         root.prev = block
 
+    def extend(self, blocks: Sequence[HostBlock]) -> None:
+        """Appends unlisted blocks at the tail, in order. O(len(blocks)), one splice."""
+        if not blocks:
+            return
+        root = self.root
+        tail = root.prev
+        for block in blocks:
+            assert block.owner is None, f"{block} is already in a list"
+            block.prev = tail
+            tail.next = block
+            block.owner = self
+            tail = block
+        tail.next = root
+        root.prev = tail
+        self.size += len(blocks)
+
+    def move_all_to_end(self, blocks: Sequence[HostBlock]) -> None:
+        """Moves the blocks of this list among `blocks` to its tail, in order; skips others.
+
+        O(len(blocks)) with no calls: the batched `move_to_end` of the lookup path.
+        """
+        root = self.root
+        tail = root.prev
+        for block in blocks:
+            if block.owner is not self or block is tail:
+                continue
+            prev, nxt = block.prev, block.next
+            prev.next = nxt
+            nxt.prev = prev
+            block.prev = tail
+            tail.next = block
+            tail = block
+        tail.next = root
+        root.prev = tail
+
     def popleft(self) -> HostBlock | None:
-        block = self._root.next
-        if block is self._root:
+        block = self.root.next
+        if block is self.root:
             return None
         self.remove(block)
         return block
@@ -215,8 +252,12 @@ class EvictionPolicy(ABC):
         """A key was not stored because an ancestor of it in the same call was declined."""
 
     @abstractmethod
-    def on_insert(self, block: HostBlock) -> None:
-        """A block was allocated for a store (STORING, chain links set). Never a victim yet."""
+    def on_insert(self, blocks: Sequence[HostBlock]) -> None:
+        """These blocks were allocated for a store (STORING, chain links set), in chain order.
+
+        Never victims yet. The pool reports them before it next asks `admit` or
+        `pop_victim`, so the policy sees inserts and evictions in their true order.
+        """
 
     @abstractmethod
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:

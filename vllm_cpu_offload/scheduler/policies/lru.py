@@ -22,20 +22,14 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(num_blocks)
         self._lru = BlockList()
 
-    def on_insert(self, block: HostBlock) -> None:
+    def on_insert(self, blocks: Sequence[HostBlock]) -> None:
         pass
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
-        append = self._lru.append
-        for block in blocks:
-            append(block)
+        self._lru.extend(blocks)
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
-        lru = self._lru
-        move_to_end = lru.move_to_end
-        for block in blocks:
-            if block.owner is lru:
-                move_to_end(block)
+        self._lru.move_all_to_end(blocks)  # pinned blocks are unlisted: skipped
 
     def on_pin(self, block: HostBlock) -> None:
         self._lru.remove(block)

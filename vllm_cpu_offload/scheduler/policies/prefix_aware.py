@@ -84,41 +84,85 @@ class PrefixAwarePolicy(EvictionPolicy):
         if key not in self._history:
             self._remember(key)
 
-    def on_insert(self, block: HostBlock) -> None:
-        key = block.key
-        block.flag = self._duel.observe(key)  # sampled: later uses go to the shadows too
-        block.segment = _PROBATION
-        self._clock += 1
-        block.stamp = self._clock
-        if key in self._history:
-            del self._history[key]
-            self._set_segment(block, _PROTECTED)
+    def on_insert(self, blocks: Sequence[HostBlock]) -> None:
+        history, duel = self._history, self._duel
+        modulus = duel.modulus
+        clock = self._clock
+        recalled = False
+        for block in blocks:
+            # A free block is in probation already: `pop_victim` and `on_remove` put it back.
+            key = block.key
+            # Sampled keys feed the shadows, here and at every later use (`flag`).
+            if hash(key) % modulus:
+                block.flag = False
+            else:
+                block.flag = True
+                duel.use(key)
+            clock += 1
+            block.stamp = clock
+            if key in history:
+                del history[key]
+                block.segment = _PROTECTED
+                self._num_protected += 1
+                recalled = True
+        self._clock = clock
+        if recalled:
             self._shrink_protected()
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
         for block in blocks:
+            if block.orphan or block.segment:
+                break
+        else:
+            self._probation.extend(blocks)  # the common case: one splice
+            return
+        for block in blocks:
             self._home(block).append(block)
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
-        protected, orphans, duel = self._protected, self._orphans, self._duel
+        protected, probation, orphans, duel = (
+            self._protected,
+            self._probation,
+            self._orphans,
+            self._duel,
+        )
+        root = protected.root
         clock = self._clock
+        promoted = 0
         for block in blocks:
             if block.flag:
                 duel.use(block.key)
             clock += 1
             block.stamp = clock
+            owner = block.owner
+            if owner is protected or owner is probation:
+                # Inlined unlink, then append at the protected tail: the hot path.
+                tail = root.prev
+                if block is tail:
+                    continue
+                prev, nxt = block.prev, block.next
+                prev.next = nxt
+                nxt.prev = prev
+                block.prev = tail
+                block.next = root
+                tail.next = block
+                root.prev = block
+                if owner is probation:
+                    probation.size -= 1
+                    protected.size += 1
+                    block.owner = protected
+                    block.segment = _PROTECTED
+                    promoted += 1
+                continue
             if block.segment != _PROTECTED:
                 block.segment = _PROTECTED
-                self._num_protected += 1
-            owner = block.owner
-            if owner is protected or owner is orphans:
-                owner.move_to_end(block)
-            elif owner is not None:
-                owner.remove(block)
-                protected.append(block)
-            elif block.evictable:  # parked: relist as the newest
+                promoted += 1
+            if owner is orphans:
+                orphans.move_to_end(block)
+            elif owner is None and block.evictable:  # parked: relist as the newest
                 self._home(block).append(block)
         self._clock = clock
+        self._num_protected += promoted
         if self._num_protected > self._protected_cap:
             self._shrink_protected()
 
@@ -232,7 +276,7 @@ class AdmissionDuel:
     sampled uses, so the choice follows phases of the workload. O(1) per use.
     """
 
-    __slots__ = ("shadow_blocks", "_modulus", "_admit_all", "_door", "_uses", "_half_life")
+    __slots__ = ("shadow_blocks", "modulus", "_admit_all", "_door", "_uses", "_half_life")
 
     def __init__(self, num_blocks: int, history_factor: float, shadow_blocks: int) -> None:
         if shadow_blocks < 1:
@@ -241,7 +285,7 @@ class AdmissionDuel:
         modulus = 1
         while num_blocks // (modulus * 2) >= shadow_blocks:
             modulus *= 2
-        self._modulus = modulus
+        self.modulus = modulus
         capacity = max(1, num_blocks // modulus)
         self._admit_all = _ShadowCache(capacity, history_factor, doorkeeper=False)
         self._door = _ShadowCache(capacity, history_factor, doorkeeper=True)
@@ -260,7 +304,7 @@ class AdmissionDuel:
 
     def observe(self, key: BlockKey) -> bool:
         """Feeds a use of `key` to the shadows if it is sampled; returns whether it is."""
-        if hash(key) % self._modulus:
+        if hash(key) % self.modulus:
             return False
         self.use(key)
         return True
