@@ -1,7 +1,9 @@
 """GB/s of block-scattered KV copies between the device caches and the host buffer.
 
 For each cache shape, copies a batch of randomly scattered blocks (every layer) with:
-  ours       TransferEngine.copy_blocks: Triton kernels on CUDA, stacked torch views on CPU
+  ours       TransferEngine.copy_blocks with its default copier (CPU: stacked torch views)
+  dma        CUDA: the copy engines, one cudaMemcpyBatchAsync per launch (dma_copy.py)
+  triton     CUDA: the Triton kernels (copy_kernels.py)
   loop       a per-block, per-layer torch copy loop (the naive way)
   memcpy     one plain copy of the same bytes between two contiguous tensors (the limit;
              on CUDA pinned host <-> device, i.e. the DMA engine at PCIe speed)
@@ -11,8 +13,12 @@ beside it (on the CPU platform copies are synchronous with the forward: they add
 Timing: methods interleave within each repetition (the machine may be shared); GB/s is the
 best repetition, `vs memcpy` the median over repetitions of (memcpy time / method time).
 
-Usage: /work/venv/bin/python benchmarks/transfer.py [--shapes llama3-8b small]
-           [--reps 7] [--threads N] [--sweep]     (--sweep: Triton constants, CUDA only)
+Layouts: `lbhnc` (all layers in one buffer, per layer [B, H, N, 2D]: the CPU backend's)
+and, on CUDA, `flash` (one tensor per layer, [2, B, N, H, D]: FlashAttention's, K and V
+apart). `--run-sweep` (CUDA) times DMA and Triton copies against the run length.
+
+Usage: python benchmarks/transfer.py [--shapes llama3-8b small] [--layouts lbhnc flash]
+           [--reps 7] [--threads N] [--sweep] [--run-sweep]   (sweeps: CUDA only)
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vllm_cpu_offload.worker.host_buffer import HostBuffer  # noqa: E402
-from vllm_cpu_offload.worker.transfer_engine import TransferEngine  # noqa: E402
+from vllm_cpu_offload.worker.transfer_engine import BlockCopier, TransferEngine  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -60,9 +66,23 @@ SHAPES = {
 }
 
 
-def make_caches(shape: Shape, num_blocks: int, device: str) -> dict[str, torch.Tensor]:
-    """vLLM 0.32's LBHNC layout (CPU backend, vLLM's own offloading connector):
-    all layers in one buffer, per layer `[B, H, N, 2 * D]`."""
+def make_caches(
+    shape: Shape, num_blocks: int, device: str, layout: str = "lbhnc"
+) -> dict[str, torch.Tensor]:
+    """`lbhnc`: vLLM 0.32's LBHNC layout (CPU backend, vLLM's own offloading connector),
+    all layers in one buffer, per layer `[B, H, N, 2 * D]`. `flash`: FlashAttention's
+    `[2, B, N, H, D]`, one allocation per layer."""
+    if layout == "flash":
+        caches = {}
+        for i in range(shape.layers):
+            t = torch.empty(
+                (2, num_blocks, shape.block_size, shape.kv_heads, shape.head_dim),
+                dtype=shape.dtype,
+                device=device,
+            )
+            t.view(torch.uint8).fill_(1)
+            caches[f"model.layers.{i}.self_attn.attn"] = t
+        return caches
     raw = torch.empty(
         (shape.layers, num_blocks, shape.kv_heads, shape.block_size, 2 * shape.head_dim),
         dtype=shape.dtype,
@@ -86,11 +106,30 @@ class Timer:
         return time.perf_counter() - start
 
 
-def bench_shape(shape: Shape, args: argparse.Namespace, device: str, pattern: str) -> list[dict]:
-    caches = make_caches(shape, args.device_blocks, device)
+def copiers(
+    caches: dict[str, torch.Tensor], host: HostBuffer, device: str
+) -> dict[str, TransferEngine]:
+    """The copy methods of this machine, each behind its own transfer engine."""
+    if device != "cuda":
+        return {"ours": TransferEngine(caches, host)}
+    from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
+
+    made: dict[str, BlockCopier] = {"triton": TritonBlockCopier(caches, host)}
+    try:
+        made["dma"] = DmaBlockCopier(caches, host)
+    except RuntimeError as e:
+        print(f"no DMA copies: {e}")
+    return {name: TransferEngine(caches, host, copier=c) for name, c in made.items()}
+
+
+def bench_shape(
+    shape: Shape, args: argparse.Namespace, device: str, pattern: str, layout: str
+) -> list[dict]:
+    caches = make_caches(shape, args.device_blocks, device, layout)
     host = HostBuffer.for_kv_caches(caches, args.host_blocks)
     host.tensor.fill_(2)
-    engine = TransferEngine(caches, host)
+    engines = copiers(caches, host, device)
     n = min(args.batch, args.device_blocks, args.host_blocks)
     gen = torch.Generator().manual_seed(0)
     if pattern == "scattered":  # every block on its own: the worst case
@@ -99,26 +138,30 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: str, pattern: st
     else:  # one request's prefix into freshly allocated host blocks
         d_ids = torch.arange(n) + (args.device_blocks - n) // 2
         h_ids = torch.arange(n)
-    d_dev, h_dev = d_ids.to(device), h_ids.to(device)
     d_list, h_list = d_ids.tolist(), h_ids.tolist()
     nbytes = n * shape.layers * shape.page_bytes
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(3)
     dst_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=host.pinned).fill_(4)
-    layer_views = [(t.view(t.shape[0], -1), host.layer_view(name)) for name, t in caches.items()]
+    # (device run, host run) views of every block: what a per-block loop copies.
+    runs = []
+    for name, t in caches.items():
+        lay = host.layouts[name]
+        for d, h in zip(d_list, h_list, strict=True):
+            dev = lay.block_view(t, d)
+            hv = host.layer_view(name)[h].view(lay.num_chunks, lay.chunk_bytes)
+            runs += [(dev[c], hv[c]) for c in range(lay.num_chunks)]
 
-    def ours(to_host: bool) -> Callable[[], None]:
-        return lambda: engine.copy_blocks(to_host, d_dev, h_dev)
+    def engine_copy(engine: TransferEngine, to_host: bool) -> Callable[[], None]:
+        return lambda: engine.copy_blocks(to_host, d_ids, h_ids)
 
     def loop(to_host: bool) -> Callable[[], None]:
         def run() -> None:
-            for dev, hv in layer_views:
-                for d, h in zip(d_list, h_list, strict=True):
-                    dev_block = dev[d].view(torch.uint8)
-                    if to_host:
-                        hv[h].copy_(dev_block, non_blocking=True)
-                    else:
-                        dev_block.copy_(hv[h], non_blocking=True)
+            for dev, hv in runs:
+                if to_host:
+                    hv.copy_(dev, non_blocking=True)
+                else:
+                    dev.copy_(hv, non_blocking=True)
 
         return run
 
@@ -133,11 +176,14 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: str, pattern: st
 
     methods: dict[str, tuple[Callable[[], None], int]] = {}
     for direction, to_host in (("store", True), ("load", False)):
-        methods[f"{direction}/ours"] = (ours(to_host), nbytes)
+        for name, engine in engines.items():
+            methods[f"{direction}/{name}"] = (engine_copy(engine, to_host), nbytes)
         methods[f"{direction}/loop"] = (loop(to_host), nbytes)
         methods[f"{direction}/memcpy"] = (memcpy(to_host), nbytes)
     if device == "cuda":
-        methods["both/ours"] = (_both(ours(True), ours(False)), 2 * nbytes)
+        for name, engine in engines.items():
+            both = _both(engine_copy(engine, True), engine_copy(engine, False))
+            methods[f"both/{name}"] = (both, 2 * nbytes)
         methods["both/memcpy"] = (_both(memcpy(True), memcpy(False)), 2 * nbytes)
 
     timer = Timer(device)
@@ -148,6 +194,7 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: str, pattern: st
         for key, (fn, _) in methods.items():
             times[key].append(timer(fn))
 
+    label = shape.name if device != "cuda" else f"{shape.name} {layout}"
     rows = []
     for key, (_, moved) in methods.items():
         direction, method = key.split("/")
@@ -155,7 +202,7 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: str, pattern: st
         ratio = statistics.median(m / t for m, t in zip(limit, times[key], strict=True))
         rows.append(
             {
-                "shape": shape.name,
+                "shape": label,
                 "ids": pattern,
                 "direction": direction,
                 "method": method,
@@ -168,8 +215,11 @@ def bench_shape(shape: Shape, args: argparse.Namespace, device: str, pattern: st
                 "vs_memcpy": ratio,
             }
         )
-    if device == "cuda":  # on the CPU platform copies never run beside compute
-        rows += matmul_slowdown(shape, methods, timer, device)
+    if device == "cuda" and pattern == "scattered":  # on CPU copies never run beside compute
+        copies = [m for m in (*engines, "memcpy")]
+        rows += matmul_slowdown(label, methods, copies, timer, device)
+        for row in queue_cost(engines, caches, n):
+            rows.append({"shape": label, "ids": pattern, "direction": "load", **row})
     return rows
 
 
@@ -188,9 +238,17 @@ def _both(a: Callable[[], None], b: Callable[[], None]) -> Callable[[], None]:
 
 
 def matmul_slowdown(
-    shape: Shape, methods: dict[str, tuple[Callable[[], None], int]], timer: Timer, device: str
+    label: str,
+    methods: dict[str, tuple[Callable[[], None], int]],
+    copies: list[str],
+    timer: Timer,
+    device: str,
 ) -> list[dict]:
-    """Time of a matmul loop while each copy method runs beside it, over its time alone."""
+    """Time of a matmul loop while each copy method runs beside it, over its time alone.
+
+    Median of 5 each. The copies queued beside it outlast the matmul loop, so every matmul
+    runs next to a copy.
+    """
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     iters = 50
 
@@ -198,14 +256,15 @@ def matmul_slowdown(
         for _ in range(iters):
             a @ a
 
-    alone = min(timer(matmuls) for _ in range(3))
+    timer(matmuls)
+    alone = statistics.median(_beside(matmuls, None) for _ in range(5))
     rows = []
-    for key in ("store/ours", "store/memcpy", "load/ours", "load/memcpy"):
+    for key in [f"{d}/{c}" for d in ("store", "load") for c in copies]:
         copy = methods[key][0]
-        with_copies = min(_beside(matmuls, copy, timer) for _ in range(3))
+        with_copies = statistics.median(_beside(matmuls, copy) for _ in range(5))
         rows.append(
             {
-                "shape": shape.name,
+                "shape": label,
                 "ids": "scattered",
                 "direction": key.split("/")[0],
                 "method": f"matmul beside {key.split('/')[1]}",
@@ -216,33 +275,40 @@ def matmul_slowdown(
     return rows
 
 
-def _beside(main: Callable[[], None], copy: Callable[[], None], timer: Timer) -> float:
-    """Time of `main` while copies queued on a side stream run beside it."""
+def _beside(main: Callable[[], None], copy: Callable[[], None] | None) -> float:
+    """Seconds of `main` on the current stream (CUDA events) while copies run on another."""
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(8):  # queue enough copies to overlap the whole matmul loop
-            copy()
-    elapsed = timer(main)
-    stream.synchronize()
-    return elapsed
+    if copy is not None:
+        with torch.cuda.stream(stream):
+            for _ in range(8):  # queue enough copies to overlap the whole matmul loop
+                copy()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    main()
+    end.record()
+    end.synchronize()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:
-    """CUDA only: GB/s of our kernel over BLOCK_WORDS x NUM_WARPS for the 8B shape."""
+    """CUDA only: GB/s of the Triton kernel over its launch constants, 8B shape, flash layout."""
     from vllm_cpu_offload.worker import copy_kernels
 
     rows = []
     shape = SHAPES["llama3-8b"]
-    caches = make_caches(shape, args.device_blocks, "cuda")
+    caches = make_caches(shape, args.device_blocks, "cuda", "flash")
     host = HostBuffer.for_kv_caches(caches, args.host_blocks)
     n = min(args.batch, args.device_blocks, args.host_blocks)
     d = torch.randperm(args.device_blocks)[:n].cuda()
     h = torch.randperm(args.host_blocks)[:n].cuda()
     timer = Timer("cuda")
-    for block_words in (256, 512, 1024, 2048, 4096):
-        for warps in (1, 2, 4, 8):
+    defaults = copy_kernels.BLOCK_WORDS, copy_kernels.NUM_WARPS, copy_kernels.NUM_PROGRAMS
+    for programs in (8, 16, 24, 32, 64, 132, 1024):
+        for block_words, warps in ((512, 2), (1024, 4), (2048, 4), (2048, 8)):
             copy_kernels.BLOCK_WORDS, copy_kernels.NUM_WARPS = block_words, warps
+            copy_kernels.NUM_PROGRAMS = programs
             copier = copy_kernels.TritonBlockCopier(caches, host)
             for to_host in (True, False):
                 timer(lambda: copier.copy(to_host, d, h))  # noqa: B023
@@ -250,6 +316,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                 gbps = n * shape.layers * shape.page_bytes / best / 1e9
                 rows.append(
                     {
+                        "programs": programs,
                         "block_words": block_words,
                         "num_warps": warps,
                         "direction": "store" if to_host else "load",
@@ -257,9 +324,92 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                     }
                 )
                 print(
-                    f"BLOCK_WORDS={block_words:5d} num_warps={warps} "
+                    f"programs={programs:5d} BLOCK_WORDS={block_words:5d} num_warps={warps} "
                     f"{rows[-1]['direction']:5s} {gbps:7.2f} GB/s"
                 )
+    copy_kernels.BLOCK_WORDS, copy_kernels.NUM_WARPS, copy_kernels.NUM_PROGRAMS = defaults
+    return rows
+
+
+def run_sweep(args: argparse.Namespace) -> list[dict]:
+    """CUDA only: GB/s of DMA (1 to 16 streams) and Triton copies against run length.
+
+    256 scattered blocks of 8 layers, one tensor per layer and one run per block: the run
+    length is the block's size. This sets `transfer_engine.DMA_MIN_RUN_BYTES`.
+    """
+    from vllm_cpu_offload.worker import dma_copy
+    from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+
+    rows = []
+    timer = Timer("cuda")
+    n, layers, blocks = 256, 8, 1024
+    default_streams = dma_copy.NUM_STREAMS
+    for run_bytes in (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10):
+        caches = {
+            f"l{i}": torch.ones(blocks, run_bytes // 2, dtype=torch.bfloat16, device="cuda")
+            for i in range(layers)
+        }
+        host = HostBuffer.for_kv_caches(caches, blocks)
+        d = torch.randperm(blocks)[:n]
+        h = torch.randperm(blocks)[:n]
+        nbytes = n * layers * run_bytes
+        src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+        dmas = {}
+        for streams in (1, 4, 8, 16):
+            dma_copy.NUM_STREAMS = streams
+            dmas[f"dma{streams}"] = dma_copy.DmaBlockCopier(caches, host)
+        dma_copy.NUM_STREAMS = default_streams
+        tri = TritonBlockCopier(caches, host)
+        d_dev, h_dev = d.cuda(), h.cuda()
+        for to_host in (True, False):
+            fns: dict[str, Callable[[], None]] = {
+                name: lambda c=c: c.copy(to_host, d, h)  # type: ignore[misc]  # noqa: B023
+                for name, c in dmas.items()
+            }
+            fns["triton"] = lambda: tri.copy(to_host, d_dev, h_dev)  # noqa: B023
+            fns["memcpy"] = (
+                (lambda: dst.copy_(src, non_blocking=True))  # noqa: B023
+                if to_host
+                else (lambda: src.copy_(dst, non_blocking=True))  # noqa: B023
+            )
+            best = {}
+            for name, fn in fns.items():
+                timer(fn)
+                best[name] = min(timer(fn) for _ in range(args.reps))
+            direction = "store" if to_host else "load"
+            row = {"run_bytes": run_bytes, "direction": direction}
+            row |= {f"{k}_gb_per_s": nbytes / v / 1e9 for k, v in best.items()}
+            rows.append(row)
+            print(
+                f"run {run_bytes >> 10:4d} KiB {direction:5s} "
+                + " ".join(f"{k} {nbytes / v / 1e9:6.2f}" for k, v in best.items())
+                + " GB/s"
+            )
+    return rows
+
+
+def queue_cost(
+    engines: dict[str, TransferEngine], caches: dict[str, torch.Tensor], n: int
+) -> list[dict]:
+    """CUDA: host microseconds to queue one layer's load of `n` blocks (the step's loop)."""
+    rows = []
+    d = torch.randperm(n)
+    h = torch.randperm(n)
+    for name, engine in engines.items():
+        on_host = getattr(engine._copier, "ids_on_host", False)
+        dd, hh = (d, h) if on_host else (d.cuda(), h.cuda())
+        names = list(caches)
+        for _ in range(2):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for layer in names:
+                engine._copier.copy(False, dd, hh, [layer])
+            elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        rows.append({"method": name, "queue_us_per_layer": elapsed / len(names) * 1e6})
+        us = rows[-1]["queue_us_per_layer"]
+        print(f"queue one layer's load of {n} blocks, {name}: {us:.0f} us")
     return rows
 
 
@@ -293,6 +443,8 @@ def print_table(rows: list[dict]) -> None:
     )
     for r in rows:
         head = f"{r['shape']:20s} {r['ids']:9s} {r['direction']:5s} {r['method']:20s}"
+        if "queue_us_per_layer" in r:
+            continue
         if "slowdown" in r:
             print(f"{head} {'':>6s} {'':>6s} {'':>6s} x{r['slowdown']:.2f} time")
             continue
@@ -318,6 +470,10 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--sweep", action="store_true", help="sweep Triton constants (CUDA)")
+    parser.add_argument("--run-sweep", action="store_true", help="DMA vs Triton by run length")
+    parser.add_argument(
+        "--layouts", nargs="+", default=None, choices=["lbhnc", "flash"], help="CUDA only"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -326,10 +482,14 @@ def main() -> None:
     result: dict = {"machine": machine(device), "args": vars(args) | {"out": None}}
     if args.sweep:
         result["sweep"] = sweep(args)
+    if args.run_sweep:
+        result["run_sweep"] = run_sweep(args)
+    layouts = args.layouts or (["lbhnc", "flash"] if device == "cuda" else ["lbhnc"])
     rows = []
     for name in args.shapes:
-        for pattern in args.ids:
-            rows += bench_shape(SHAPES[name], args, device, pattern)
+        for layout in layouts:
+            for pattern in args.ids:
+                rows += bench_shape(SHAPES[name], args, device, pattern, layout)
     result["rows"] = rows
     print_table(rows)
     out = args.out or RESULTS / f"transfer_{device}.json"

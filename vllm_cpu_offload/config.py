@@ -23,6 +23,11 @@ DEFAULT_SWAP_SPACE_GIB = 4.0
 EVICTION_POLICIES = ("prefix_aware", "lru")
 DEFAULT_EVICTION_POLICY = "prefix_aware"
 
+# How a CUDA worker copies blocks: Triton kernels, the copy engines (DMA), or the engine's
+# pick by run length. The CPU platform always copies with torch views.
+COPY_BACKENDS = ("auto", "triton", "dma")
+DEFAULT_COPY_BACKEND = "auto"
+
 GIB = 1 << 30
 
 
@@ -37,23 +42,29 @@ class OffloadConfig:
     Attributes:
         swap_space_gib: host memory for offloaded KV blocks, per worker, in GiB.
         eviction_policy: which host-tier eviction policy to use.
+        copy_backend: how CUDA workers copy blocks (see `COPY_BACKENDS`).
     """
 
     swap_space_gib: float = DEFAULT_SWAP_SPACE_GIB
     eviction_policy: str = DEFAULT_EVICTION_POLICY
+    copy_backend: str = DEFAULT_COPY_BACKEND
 
     @property
     def swap_space_bytes(self) -> int:
         return int(self.swap_space_gib * GIB)
 
     def to_extra_config(self) -> dict[str, Any]:
-        return {"swap_space_gib": self.swap_space_gib, "eviction_policy": self.eviction_policy}
+        return {
+            "swap_space_gib": self.swap_space_gib,
+            "eviction_policy": self.eviction_policy,
+            "copy_backend": self.copy_backend,
+        }
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> OffloadConfig:
         """Parses `kv_connector_extra_config`; unknown keys and bad values raise."""
         extra = dict(extra or {})
-        allowed = ("swap_space_gib", "eviction_policy")
+        allowed = ("swap_space_gib", "eviction_policy", "copy_backend")
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
             raise OffloadConfigError(
@@ -69,7 +80,12 @@ class OffloadConfig:
                 f"eviction_policy {policy!r} is not known; choose one of: "
                 f"{', '.join(EVICTION_POLICIES)}"
             )
-        return cls(swap_space_gib=swap, eviction_policy=policy)
+        backend = extra.get("copy_backend", DEFAULT_COPY_BACKEND)
+        if backend not in COPY_BACKENDS:
+            raise OffloadConfigError(
+                f"copy_backend {backend!r} is not known; choose one of: {', '.join(COPY_BACKENDS)}"
+            )
+        return cls(swap_space_gib=swap, eviction_policy=policy, copy_backend=backend)
 
 
 def parse_swap_space(value: object, name: str = "--swap-space") -> float:

@@ -103,7 +103,11 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         else:
             from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
-            self.worker = HostTierWorker(self.num_host_blocks, kv_cache_config.num_blocks)
+            self.worker = HostTierWorker(
+                self.num_host_blocks,
+                kv_cache_config.num_blocks,
+                copy_backend=self.offload_config.copy_backend,
+            )
 
     def _sched(self) -> HostTierScheduler:
         assert self.scheduler is not None, "scheduler-side method called on a worker"

@@ -27,7 +27,7 @@ COPIERS = {"triton": TritonBlockCopier, "torch": TorchBlockCopier}
 
 def _setup(layout: str, dtype: torch.dtype):
     caches, block_dim = make_kv_caches(layout, dtype=dtype)
-    host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
+    host = HostBuffer.for_kv_caches(caches, num_host_blocks=6)
     host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))
     return caches, block_dim, host
 
@@ -95,7 +95,7 @@ def test_round_trip_all_layers(layout, copier_cls):
 def test_kernel_blocks_grouped_into_manager_blocks(copier_cls):
     # vLLM split each 8-token manager block into two 4-token kernel blocks: ids are manager ids.
     caches, _ = make_kv_caches("LBHNC", num_blocks=8, dtype=torch.bfloat16)
-    host = HostBuffer.for_kv_caches(caches, 3, num_blocks=4, pin=False)
+    host = HostBuffer.for_kv_caches(caches, 3, num_blocks=4)
     copier_cls(caches, host).copy(True, _ids([3, 1]), _ids([0, 2]))
     for name, t in caches.items():
         assert torch.equal(
@@ -123,7 +123,7 @@ def test_word_is_widest_common_alignment():
 def test_odd_element_counts_copy_as_narrow_words():
     # A 3-element bf16 run (6 bytes) forces 2-byte words; bytes still land exactly.
     caches = {"a": torch.randn(5, 3, dtype=torch.float32, device=DEVICE).to(torch.bfloat16)}
-    host = HostBuffer.for_kv_caches(caches, 4, pin=False)
+    host = HostBuffer.for_kv_caches(caches, 4)
     TritonBlockCopier(caches, host).copy(True, _ids([4, 0]), _ids([1, 3]))
     assert torch.equal(host.layer_view("a")[1].cpu(), caches["a"][4].view(torch.uint8).cpu())
     assert torch.equal(host.layer_view("a")[3].cpu(), caches["a"][0].view(torch.uint8).cpu())
@@ -132,7 +132,7 @@ def test_odd_element_counts_copy_as_narrow_words():
 def test_engine_with_triton_copier_reports_jobs():
     # The transfer engine driven by the Triton copier: one step of loads and stores.
     caches, _ = make_kv_caches("LBHNC", dtype=torch.bfloat16)
-    host = HostBuffer.for_kv_caches(caches, 6, pin=False)
+    host = HostBuffer.for_kv_caches(caches, 6)
     engine = TransferEngine(caches, host, copier=TritonBlockCopier(caches, host))
     stores = [TransferJob(1, [0, 1], [0, 1]), TransferJob(2, [5], [4])]
     for name in caches:

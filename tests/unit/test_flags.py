@@ -90,6 +90,16 @@ def test_cli_parser_has_both_flags_and_builds_engine_args() -> None:
             },
             "choose one of: prefix_aware, lru",
         ),
+        (
+            {
+                "kv_transfer_config": KVTransferConfig(
+                    kv_connector=CONNECTOR_NAME,
+                    kv_role="kv_both",
+                    kv_connector_extra_config={"copy_backend": "nccl"},
+                )
+            },
+            "copy_backend 'nccl' is not known; choose one of: auto, triton, dma",
+        ),
     ],
 )
 def test_bad_input_is_one_line_error(kwargs: dict[str, object], message: str) -> None:
@@ -106,10 +116,14 @@ def test_advanced_route_validates_and_keeps_extra_config() -> None:
     ktc = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
         kv_role="kv_both",
-        kv_connector_extra_config={"swap_space_gib": 0.25, "eviction_policy": "lru"},
+        kv_connector_extra_config={
+            "swap_space_gib": 0.25,
+            "eviction_policy": "lru",
+            "copy_backend": "dma",
+        },
     )
     config = flags.resolve_offload(_args(kv_transfer_config=ktc))
-    assert config == OffloadConfig(swap_space_gib=0.25, eviction_policy="lru")
+    assert config == OffloadConfig(swap_space_gib=0.25, eviction_policy="lru", copy_backend="dma")
 
 
 def test_version_check_refuses_other_versions() -> None:

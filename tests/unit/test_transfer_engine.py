@@ -195,12 +195,27 @@ def test_runs_merge_consecutive_pairs() -> None:
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def _cuda_copier(kind: str, caches: dict[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
+    if kind == "triton":
+        from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+
+        return TritonBlockCopier(caches, host)
+    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier, batch_memcpy
+
+    if not batch_memcpy().available:
+        pytest.skip(batch_memcpy().why_unavailable)
+    return DmaBlockCopier(caches, host)
+
+
 @pytest.mark.cuda
 @cuda
-def test_cuda_step_loads_layer_by_layer_and_stores_async() -> None:
+@pytest.mark.parametrize("kind", ["triton", "dma"])
+def test_cuda_step_loads_layer_by_layer_and_stores_async(kind: str) -> None:
     # One step on streams: loads land before compute reads them; stores finish later.
     caches = _caches("cuda")
-    engine = _engine(caches)
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    host.tensor.zero_()
+    engine = TransferEngine(caches, host, copier=_cuda_copier(kind, caches, host))
     engine.host.tensor.copy_(torch.randint(0, 256, engine.host.tensor.shape, dtype=torch.uint8))
     engine.start_loads([TransferJob(1, [5, 1], [2, 4])])
     stores = [TransferJob(2, [3], [0])]
@@ -228,3 +243,18 @@ def test_cuda_failed_launch_is_reported() -> None:
     _store_step(engine, list(caches), [TransferJob(2, [1], [1])])
     engine.wait_all()
     assert engine.poll_finished() == FinishedJobs(stores={2}, failed={1})
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_backend_choice() -> None:
+    # "auto" keeps short runs on the Triton kernels; "dma" asks for the copy engines.
+    from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier, batch_memcpy
+
+    caches = _caches("cuda")
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    assert isinstance(TransferEngine(caches, host)._copier, TritonBlockCopier)
+    assert isinstance(TransferEngine(caches, host, backend="triton")._copier, TritonBlockCopier)
+    want = DmaBlockCopier if batch_memcpy().available else TritonBlockCopier
+    assert isinstance(TransferEngine(caches, host, backend="dma")._copier, want)

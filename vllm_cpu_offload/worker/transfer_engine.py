@@ -22,7 +22,7 @@ Imports torch (and, on CUDA, triton) only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +33,13 @@ from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
 
 logger = logging.getLogger(__name__)
+
+# With backend "auto", runs shorter than this go to the Triton kernels on CUDA. The copy
+# engines pay about a microsecond of host time and of engine set-up per copy: measured on an
+# H100 (`benchmarks/transfer.py --run-sweep`), 8 streams of DMA beat the kernel from 128 KiB
+# runs up (52 vs 40-45 GB/s), tie with it at 32-64 KiB (47-50 GB/s) while costing the host
+# 2-3 us per copy, and collapse below 32 KiB (3-14 GB/s).
+DMA_MIN_RUN_BYTES = 128 << 10
 
 Ids = Sequence[int] | torch.Tensor
 
@@ -59,7 +66,11 @@ class FinishedJobs:
 
 
 class BlockCopier(Protocol):
-    """Copies pairs of (device block, host block) for some layers (all when `layers` is None)."""
+    """Copies pairs of (device block, host block) for some layers (all when `layers` is None).
+
+    Block ids come as int64 tensors on the caches' device, or on the host where the copier
+    has a true `ids_on_host` attribute.
+    """
 
     def copy(
         self,
@@ -100,7 +111,9 @@ class TransferEngine:
         kv_caches: layer name -> device KV cache, as vLLM registers them. Names that view the
             same tensor (KV sharing) are copied once.
         host_buffer: built for the same caches (`HostBuffer.for_kv_caches`).
-        copier: the block copier; by default Triton kernels on CUDA, torch views otherwise.
+        copier: the block copier; by default chosen by `backend`.
+        backend: on CUDA, "triton" (kernels), "dma" (copy engines) or "auto" (DMA where
+            every run is at least `DMA_MIN_RUN_BYTES`, else Triton). Torch views on CPU.
         layerwise_stores: on CUDA, copy each layer as soon as its hook runs (stores finish
             early, one launch per layer). False defers them to `finish_step`: one launch for
             all layers, later completion. The CPU path always defers.
@@ -112,6 +125,7 @@ class TransferEngine:
         host_buffer: HostBuffer,
         *,
         copier: BlockCopier | None = None,
+        backend: str = "auto",
         layerwise_stores: bool = True,
     ) -> None:
         if not kv_caches:
@@ -131,7 +145,11 @@ class TransferEngine:
         self.device = next(iter(caches.values())).device
         self.use_streams = self.device.type == "cuda"
         self._layerwise_stores = self.use_streams and layerwise_stores
-        self._copier: BlockCopier = copier or _default_copier(caches, host_buffer, self.device)
+        self._copier: BlockCopier = copier or _default_copier(
+            caches, host_buffer, self.device, backend
+        )
+        # DMA copies read their block ids on the host; kernels read them on the device.
+        self._ids_on_device = self.use_streams and not getattr(self._copier, "ids_on_host", False)
 
         self._failed: set[int] = set()
         self._finished = FinishedJobs()
@@ -254,8 +272,9 @@ class TransferEngine:
         self, to_host: bool, device_ids: Ids, host_ids: Ids, layers: Sequence[str] | None = None
     ) -> None:
         """Copies the pairs for `layers` (default all) on the current stream, unchecked."""
-        d = torch.as_tensor(device_ids, dtype=torch.int64).to(self.device)
-        h = torch.as_tensor(host_ids, dtype=torch.int64).to(self.device)
+        where = self.device if self._ids_on_device else torch.device("cpu")
+        d = torch.as_tensor(device_ids, dtype=torch.int64).to(where)
+        h = torch.as_tensor(host_ids, dtype=torch.int64).to(where)
         names = None if layers is None else list(dict.fromkeys(self._canonical[n] for n in layers))
         self._copier.copy(to_host, d, h, names)
 
@@ -292,7 +311,7 @@ class TransferEngine:
             return None
         ids = torch.stack([torch.cat(device), torch.cat(host)])
         sizes = [t.numel() for t in device]
-        if self.use_streams:
+        if self._ids_on_device:
             staging = ids.pin_memory()
             return _Batch(job_ids, sizes, staging[0], staging[1], staging=staging)
         return _Batch(job_ids, sizes, ids[0], ids[1])
@@ -355,33 +374,54 @@ class TransferEngine:
 
 
 def _default_copier(
-    caches: Mapping[str, torch.Tensor], host: HostBuffer, device: torch.device
+    caches: Mapping[str, torch.Tensor], host: HostBuffer, device: torch.device, backend: str
 ) -> BlockCopier:
+    """CPU: torch views. CUDA: the copy engines where asked for, or with "auto" where runs
+    are long enough to keep them busy; else Triton kernels; else torch copies."""
     if device.type != "cuda":
         return TorchBlockCopier(caches, host)
-    try:
-        from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
-
-        triton_copier = TritonBlockCopier(caches, host)
-        if host.pinned and _stores_block_zero(triton_copier, caches, host):
-            return triton_copier
-    except Exception:
-        logger.exception("Triton block copies are unavailable")
+    candidates: list[tuple[str, Callable[[], BlockCopier]]] = []
+    shortest_run = min(host.layouts[n].chunk_bytes for n in caches)
+    if backend == "dma" or (backend == "auto" and shortest_run >= DMA_MIN_RUN_BYTES):
+        candidates.append(("DMA", lambda: _dma_copier(caches, host)))
+    candidates.append(("Triton", lambda: _triton_copier(caches, host)))
+    for name, make in candidates:
+        try:
+            copier = make()
+            if host.pinned and _stores_block_zero(copier, caches, host):
+                logger.info("KV offload copies use %s", name)
+                return copier
+            logger.warning("%s block copies failed their start-up check", name)
+        except Exception as e:
+            logger.info("%s block copies are unavailable: %s", name, e)
     logger.warning("KV offload copies fall back to torch copies (slower, still correct)")
     return TorchBlockCopier(caches, host)
+
+
+def _dma_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
+    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
+
+    return DmaBlockCopier(caches, host)
+
+
+def _triton_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
+    from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+
+    return TritonBlockCopier(caches, host)
 
 
 def _stores_block_zero(
     copier: BlockCopier, caches: Mapping[str, torch.Tensor], host: HostBuffer
 ) -> bool:
-    """Self-check at start-up: the kernel writes host memory where the layout says.
+    """Self-check at start-up: the copier writes host memory where the layout says.
 
     Kernels address pinned host memory through its host pointer, which needs a GPU and
     platform with unified addressing; this catches one without it before any real job.
     Overwrites host block 0, which holds nothing yet.
     """
     name, t = next(iter(caches.items()))
-    zero = torch.zeros(1, dtype=torch.int64, device=t.device)
+    where = "cpu" if getattr(copier, "ids_on_host", False) else t.device
+    zero = torch.zeros(1, dtype=torch.int64, device=where)
     host.tensor[0].fill_(0)
     copier.copy(True, zero, zero, [name])
     torch.cuda.synchronize(t.device)
