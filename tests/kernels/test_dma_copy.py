@@ -7,13 +7,14 @@ import torch
 
 from tests.kernels.conftest import ALL_LAYOUTS, DEVICE, block_bytes, make_kv_caches
 from vllm_cpu_offload.worker import dma_copy
+from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
 
 def _tables(layout: str, device_ids: list[int], host_ids: list[int], num_layers: int = 3):
     caches, block_dim = make_kv_caches(layout, num_layers=num_layers, device="cpu")
     host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
-    group = dma_copy._Group(list(caches), list(caches.values()), host)
+    group = dma_copy._Group(list(caches), list(caches.values()), host, max_pitch=1 << 31)
     tables = dma_copy._Tables(group, torch.tensor(device_ids), torch.tensor(host_ids))
     return caches, block_dim, host, tables
 
@@ -63,6 +64,31 @@ def test_consecutive_pairs_of_one_dense_layer_merge():
     assert sizes.tolist() == [3 * host.block_bytes]
 
 
+@pytest.mark.parametrize(
+    ("layout", "pitched"),
+    [("LBHNC", True), ("LBNHC", True), ("BLHNC", True), ("LHBNC", False), ("2N_NHD", False)],
+)
+def test_whole_blocks_go_pitched_where_layers_sit_at_one_distance(layout, pitched):
+    # Layer-compact layouts with one run per layer-block: a block is one 2D copy.
+    caches, _ = make_kv_caches(layout, device="cpu")
+    host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
+    group = dma_copy._Group(list(caches), list(caches.values()), host, max_pitch=1 << 31)
+    assert (group.pitches is not None) is pitched
+    if pitched:
+        first, second = list(caches.values())[:2]
+        assert group.pitches == (
+            second.data_ptr() - first.data_ptr(),
+            host.slot_offsets["layer.1"] - host.slot_offsets["layer.0"],
+        )
+
+
+def test_pitch_above_the_device_limit_falls_back_to_batches():
+    caches, _ = make_kv_caches("LBHNC", device="cpu")
+    host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
+    group = dma_copy._Group(list(caches), list(caches.values()), host, max_pitch=64)
+    assert group.pitches is None
+
+
 cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 
 
@@ -72,8 +98,8 @@ cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_dma_round_trip_byte_exact(layout, dtype):
     # Store all layers, then load one layer into other blocks: bytes land exactly.
-    if not dma_copy.batch_memcpy().available:
-        pytest.skip(dma_copy.batch_memcpy().why_unavailable)
+    if not cuda_runtime().available:
+        pytest.skip(cuda_runtime().why_unavailable)
     caches, block_dim = make_kv_caches(layout, dtype=dtype)
     host = HostBuffer.for_kv_caches(caches, num_host_blocks=6)
     copier = dma_copy.DmaBlockCopier(caches, host)

@@ -200,10 +200,11 @@ def _cuda_copier(kind: str, caches: dict[str, torch.Tensor], host: HostBuffer) -
         from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
 
         return TritonBlockCopier(caches, host)
-    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier, batch_memcpy
+    from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
+    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
 
-    if not batch_memcpy().available:
-        pytest.skip(batch_memcpy().why_unavailable)
+    if not cuda_runtime().available:
+        pytest.skip(cuda_runtime().why_unavailable)
     return DmaBlockCopier(caches, host)
 
 
@@ -248,13 +249,45 @@ def test_cuda_failed_launch_is_reported() -> None:
 @pytest.mark.cuda
 @cuda
 def test_cuda_backend_choice() -> None:
-    # "auto" keeps short runs on the Triton kernels; "dma" asks for the copy engines.
+    # "auto": loads on the kernels; stores on the copy engines once runs reach 64 KiB.
     from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
-    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier, batch_memcpy
+    from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
+    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
 
+    dma = DmaBlockCopier if cuda_runtime().available else TritonBlockCopier
     caches = _caches("cuda")
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
-    assert isinstance(TransferEngine(caches, host)._copier, TritonBlockCopier)
-    assert isinstance(TransferEngine(caches, host, backend="triton")._copier, TritonBlockCopier)
-    want = DmaBlockCopier if batch_memcpy().available else TritonBlockCopier
-    assert isinstance(TransferEngine(caches, host, backend="dma")._copier, want)
+    auto = TransferEngine(caches, host)
+    assert isinstance(auto._copier, TritonBlockCopier)
+    assert isinstance(auto._store_copier, TritonBlockCopier)
+    triton = TransferEngine(caches, host, backend="triton")
+    assert isinstance(triton._store_copier, TritonBlockCopier)
+    forced = TransferEngine(caches, host, backend="dma")
+    assert isinstance(forced._copier, dma) and isinstance(forced._store_copier, dma)
+    # 64 KiB per layer-block (8 heads x 16 tokens x 256 bf16 values).
+    raw = torch.randn(2, 4, 8, 16, 256, device="cuda").to(torch.bfloat16)
+    big = {f"layer.{i}": raw[i] for i in range(2)}
+    big_host = HostBuffer.for_kv_caches(big, 3)
+    auto = TransferEngine(big, big_host)
+    assert isinstance(auto._copier, TritonBlockCopier)
+    assert isinstance(auto._store_copier, dma)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_dma_stores_wait_for_the_step_and_land() -> None:
+    # Auto backend with 64 KiB runs: stores defer to finish_step and copy what compute wrote.
+    raw = torch.randn(3, 6, 8, 16, 256, device="cuda").to(torch.bfloat16)
+    caches = {f"layer.{i}": raw[i] for i in range(3)}
+    host = HostBuffer.for_kv_caches(caches, 4)
+    engine = TransferEngine(caches, host)
+    stores = [TransferJob(5, [4, 1], [2, 0])]
+    for name, t in caches.items():
+        t[4].mul_(3)  # "compute" writes the layer's KV, then the layer's save hook runs
+        engine.store_layer(name, stores)
+    engine.finish_step()
+    engine.wait_all()
+    assert engine.poll_finished() == FinishedJobs(stores={5})
+    for name, t in caches.items():
+        assert torch.equal(_host_block(engine, name, 2), _device_block(t, 4))
+        assert torch.equal(_host_block(engine, name, 0), _device_block(t, 1))

@@ -1,36 +1,34 @@
-"""Block copies on the GPU's copy engines: one `cudaMemcpyBatchAsync` call per launch.
+"""Block copies on the GPU's copy engines (DMA), with the same interface as the kernels.
 
-Same interface as `copy_kernels.TritonBlockCopier`, different hardware. A kernel that
-moves bytes over PCIe occupies streaming multiprocessors for the whole transfer, and the
-forward pass running beside it loses them (a persistent GEMM can stall behind them). The
-DMA engines cost the forward nothing but a call on the host: CUDA 12.8 added
-`cudaMemcpyBatchAsync`, which queues thousands of scattered copies in one call.
+A kernel that moves bytes over PCIe holds streaming multiprocessors for the whole transfer,
+and the forward pass beside it loses them: a persistent GEMM stalls behind a single busy SM.
+The copy engines cost the forward nothing; they cost the host a call per copy instead.
 
-Each (block pair, layer, run) is one copy of one contiguous run, `chunk_bytes` long, on
-both sides (see `kv_layout.py` and `host_buffer.py`). Copies that continue each other on
-both sides (a layout whose block holds every layer contiguously, consecutive blocks) are
-merged first. The address table of a batch is built once, with torch on the host, and
-sliced per layer: a layer-wise load costs one slice and a few calls.
+Two ways to feed them (`cuda_runtime.py`):
+- Pitched: where one layout group's layers sit at a fixed distance in one allocation, as in
+  vLLM 0.32's layer-compact layouts, and each layer-block is one run, a block's runs of
+  every layer are `layers` rows of one 2D copy: one `cudaMemcpy2DAsync` per block moves the
+  whole block. Used when a call copies every layer (stores at the end of a step).
+- Batched: every (pair, layer, run) is one copy of one contiguous run, queued by
+  `cudaMemcpyBatchAsync` (CUDA 12.8+), thousands per call. Copies that continue each other
+  on both sides (a block-outermost layout, consecutive blocks) are merged first. The
+  address table of a batch is built once, with torch on the host, and sliced per layer.
 
-One batch feeds one copy engine at a time, and each copy costs the engine about a
-microsecond of set-up, so 64 KiB runs (one layer of one Llama-3-8B block) move at ~60% of
-the link on one stream. A launch therefore forks over up to `NUM_STREAMS` streams of its
-own, one slice of the copies each, and joins them back into the caller's stream. Measured
-on an H100 (PCIe 5.0 x16), 128 scattered Llama-3-8B blocks: 1 / 2 / 4 / 8 streams move
-60 / 74 / 84 / 91% of a plain pinned memcpy (`benchmarks/transfer.py`).
+A stream feeds one copy engine at a time, and each copy costs the engine set-up time, so a
+launch forks over up to `NUM_STREAMS` streams of its own and joins them back into the
+caller's stream. Measured on an H100 (PCIe 5.0 x16), 64 KiB runs: 1 / 4 / 8 streams move
+56 / 81 / 90% of a plain pinned memcpy (`benchmarks/transfer.py --run-sweep`).
 
 Imports torch only (the CUDA runtime through ctypes).
 """
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from vllm_cpu_offload.worker.cuda_runtime import MemcpyAttributes, MemLocation, cuda_runtime
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
 # cudaMemcpySrcAccessOrderStream: the source is read in stream order, like cudaMemcpyAsync.
@@ -38,172 +36,94 @@ _ACCESS_ORDER_STREAM = 1
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2
 # cudaMemcpyFlagPreferOverlapWithCompute: keep the copies off the SMs the forward uses.
 _FLAG_PREFER_OVERLAP = 1
-_MIN_RUNTIME = 12080  # CUDA 12.8: first runtime with cudaMemcpyBatchAsync
 # Streams a launch forks over, and the fewest copies worth one more stream.
 NUM_STREAMS = 8
 MIN_COPIES_PER_STREAM = 8
 _CACHED_BATCHES = 4
 
 
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = [
-        ("src_access_order", ctypes.c_int),
-        ("src_loc_hint", _MemLocation),
-        ("dst_loc_hint", _MemLocation),
-        ("flags", ctypes.c_uint),
-    ]
-
-
-class _BatchMemcpy:
-    """`cudaMemcpyBatchAsync` of the CUDA runtime that torch loaded, or unavailable."""
-
-    def __init__(self) -> None:
-        self._fn = None
-        self.version = 0
-        self.why_unavailable = ""
-        lib = _load_cudart()
-        if lib is None:
-            self.why_unavailable = "no CUDA runtime library found"
-            return
-        version = ctypes.c_int(0)
-        if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0:
-            self.why_unavailable = "cudaRuntimeGetVersion failed"
-            return
-        self.version = version.value
-        if self.version < _MIN_RUNTIME or not hasattr(lib, "cudaMemcpyBatchAsync"):
-            self.why_unavailable = f"CUDA runtime {self.version} has no cudaMemcpyBatchAsync"
-            return
-        self._fn = lib.cudaMemcpyBatchAsync
-        self._fn.restype = ctypes.c_int
-        # CUDA 13 dropped the `failIdx` out-parameter that 12.8 and 12.9 have.
-        self._has_fail_index = self.version < 13000
-
-    @property
-    def available(self) -> bool:
-        return self._fn is not None
-
-    def __call__(
-        self,
-        dsts: torch.Tensor,
-        srcs: torch.Tensor,
-        sizes: torch.Tensor,
-        attrs: _MemcpyAttributes,
-        stream: int,
-    ) -> None:
-        """Queues `len(dsts)` copies on `stream`; the tensors are int64 on the host."""
-        assert self._fn is not None
-        count = dsts.numel()
-        if count == 0:
-            return
-        attr_index = ctypes.c_size_t(0)
-        args: list[object] = [
-            ctypes.c_void_p(dsts.data_ptr()),
-            ctypes.c_void_p(srcs.data_ptr()),
-            ctypes.c_void_p(sizes.data_ptr()),
-            ctypes.c_size_t(count),
-            ctypes.byref(attrs),
-            ctypes.byref(attr_index),
-            ctypes.c_size_t(1),
-        ]
-        fail_index = ctypes.c_size_t(0)
-        if self._has_fail_index:
-            args.append(ctypes.byref(fail_index))
-        args.append(ctypes.c_void_p(stream))
-        code = self._fn(*args)
-        if code != 0:
-            raise RuntimeError(f"cudaMemcpyBatchAsync of {count} copies returned error {code}")
-
-
-def _load_cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime torch was built with: by soname if loaded, else from its wheels."""
-    major = (torch.version.cuda or "").split(".")[0]
-    names = [f"libcudart.so.{major}"] if major else []
-    names.append("libcudart.so")
-    for name in names:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    roots = {os.path.dirname(os.path.dirname(torch.__file__))}
-    for root in roots:
-        for path in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"))):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
-    return None
-
-
-_BATCH_MEMCPY: _BatchMemcpy | None = None
-
-
-def batch_memcpy() -> _BatchMemcpy:
-    """The process-wide binding, loaded on first use."""
-    global _BATCH_MEMCPY
-    if _BATCH_MEMCPY is None:
-        _BATCH_MEMCPY = _BatchMemcpy()
-    return _BATCH_MEMCPY
-
-
 class _Group:
     """Layers that share one layout: their run addresses as `[layers, 1, runs]` tables."""
 
-    def __init__(self, names: list[str], caches: list[torch.Tensor], host: HostBuffer) -> None:
+    def __init__(
+        self, names: list[str], caches: list[torch.Tensor], host: HostBuffer, max_pitch: int
+    ) -> None:
         layout = host.layouts[names[0]]
         self.names = names
         self.chunk_bytes = layout.chunk_bytes
         runs = torch.arange(layout.num_chunks, dtype=torch.int64)
-        device_base = torch.tensor([t.data_ptr() for t in caches], dtype=torch.int64)
-        host_base = host.tensor.data_ptr() + torch.tensor(
-            [host.slot_offsets[n] for n in names], dtype=torch.int64
-        )
+        device_addrs = [t.data_ptr() for t in caches]
+        slots = [host.slot_offsets[n] for n in names]
+        device_base = torch.tensor(device_addrs, dtype=torch.int64)
+        host_base = host.tensor.data_ptr() + torch.tensor(slots, dtype=torch.int64)
         self.device_runs = (device_base[:, None] + runs * layout.chunk_stride)[:, None, :]
         self.host_runs = (host_base[:, None] + runs * layout.chunk_bytes)[:, None, :]
         self.device_block_stride = layout.block_stride
         self.host_block_stride = host.block_bytes
+        # (device pitch, host pitch) when a block of every layer is one 2D copy, else None.
+        self.pitches: tuple[int, int] | None = None
+        device_step, host_step = _step(device_addrs), _step(slots)
+        one_run = layout.num_chunks == 1 and len(names) > 1
+        if one_run and layout.chunk_bytes <= min(device_step, host_step) <= max_pitch:
+            self.pitches = (device_step, host_step)
+        self.first_device = device_addrs[0]
+        self.first_host = host.tensor.data_ptr() + slots[0]
+
+
+def _step(values: list[int]) -> int:
+    """The fixed positive distance between consecutive values, or 0 if there is none."""
+    if len(values) < 2:
+        return 0
+    step = values[1] - values[0]
+    ok = step > 0 and all(b - a == step for a, b in zip(values, values[1:], strict=False))
+    return step if ok else 0
 
 
 class DmaBlockCopier:
     """Copies blocks between the device KV caches and a pinned `HostBuffer` by DMA.
 
-    `kv_caches` holds the layers that own a host slot. Launches go to the current stream.
-    Block ids are int64 tensors on the host (`ids_on_host`), validated by the caller.
-    `copy` raises if the runtime rejects a batch (the engine fails those jobs).
+    `kv_caches` holds the layers that own a host slot. Launches go to the current stream
+    (forked over the copier's own streams and joined back). Block ids are int64 tensors on
+    the host (`ids_on_host`), validated by the caller. `copy` raises if the runtime rejects
+    a copy (the engine fails those jobs).
     """
 
     ids_on_host = True
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer) -> None:
-        memcpy = batch_memcpy()
-        if not memcpy.available:
-            raise RuntimeError(memcpy.why_unavailable)
+        runtime = cuda_runtime()
+        if not runtime.available:
+            raise RuntimeError(runtime.why_unavailable)
         if not host.pinned:
             raise RuntimeError("DMA block copies need a pinned host buffer")
-        self._memcpy = memcpy
+        self._runtime = runtime
         self._device = next(iter(kv_caches.values())).device
         index = self._device.index if self._device.index is not None else 0
+        max_pitch = runtime.max_pitch(index)
         by_layout: dict[object, list[str]] = {}
         for name in kv_caches:
             by_layout.setdefault(host.layouts[name], []).append(name)
         self._groups = [
-            _Group(names, [kv_caches[n] for n in names], host) for names in by_layout.values()
+            _Group(names, [kv_caches[n] for n in names], host, max_pitch)
+            for names in by_layout.values()
         ]
         self._where = {n: (g, i) for g in self._groups for i, n in enumerate(g.names)}
-        device = _MemLocation(_LOCATION_DEVICE, index)
-        on_host = _MemLocation(_LOCATION_HOST, 0)
+        device = MemLocation(_LOCATION_DEVICE, index)
+        on_host = MemLocation(_LOCATION_HOST, 0)
         order, flags = _ACCESS_ORDER_STREAM, _FLAG_PREFER_OVERLAP
         self._attrs = {
-            True: _MemcpyAttributes(order, device, on_host, flags),
-            False: _MemcpyAttributes(order, on_host, device, flags),
+            True: MemcpyAttributes(order, device, on_host, flags),
+            False: MemcpyAttributes(order, on_host, device, flags),
         }
         # Tables of the latest batches (a step's loads and stores): per-layer calls reuse them.
         self._cached: list[tuple[torch.Tensor, torch.Tensor, list[_Tables]]] = []
         # The runtime refuses batches on the legacy default stream; these never are.
         self._streams = [torch.cuda.Stream(self._device) for _ in range(NUM_STREAMS)]
+
+    @property
+    def pitched(self) -> bool:
+        """Whether whole-block copies go as one 2D copy per block."""
+        return all(g.pitches is not None for g in self._groups)
 
     def copy(
         self,
@@ -215,8 +135,12 @@ class DmaBlockCopier:
         """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given layers."""
         if device_ids.numel() == 0:
             return
+        if layers is None and self.pitched:
+            self._fork(
+                device_ids.numel(), lambda used: self._pitched(to_host, device_ids, host_ids, used)
+            )
+            return
         tables = self._tables(device_ids, host_ids)
-        attrs = self._attrs[to_host]
         batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         if layers is None:
             batches = [t.merged(to_host) for t in tables]
@@ -226,20 +150,57 @@ class DmaBlockCopier:
             dst, src = (t.host[i], t.device[i]) if to_host else (t.device[i], t.host[i])
             batches.append((dst, src, t.layer_sizes))
         count = sum(b[0].numel() for b in batches)
+        self._fork(count, lambda used: self._batched(to_host, batches, used))
+
+    def _fork(self, count: int, queue: Callable[[list[torch.cuda.Stream]], None]) -> None:
+        """Runs `queue` over side streams that start after, and end before, the current one's
+        later work."""
         num_streams = max(1, min(len(self._streams), count // MIN_COPIES_PER_STREAM))
-        current = torch.cuda.current_stream(self._device)
-        # Fork: every side stream starts after the work queued so far, then the caller's
-        # stream waits for all of them. Slices keep each batch's copies together.
         used = self._streams[:num_streams]
+        current = torch.cuda.current_stream(self._device)
         for stream in used:
             stream.wait_stream(current)
-        for dst, src, sizes in batches:
-            bounds = [len(dst) * k // num_streams for k in range(num_streams + 1)]
-            for stream, lo, hi in zip(used, bounds, bounds[1:], strict=False):
-                if hi > lo:
-                    self._memcpy(dst[lo:hi], src[lo:hi], sizes[lo:hi], attrs, stream.cuda_stream)
+        queue(used)
         for stream in used:
             current.wait_stream(stream)
+
+    def _batched(
+        self,
+        to_host: bool,
+        batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        used: list[torch.cuda.Stream],
+    ) -> None:
+        attrs = self._attrs[to_host]
+        for dst, src, sizes in batches:
+            bounds = [len(dst) * k // len(used) for k in range(len(used) + 1)]
+            for stream, lo, hi in zip(used, bounds, bounds[1:], strict=False):
+                if hi > lo:
+                    self._runtime.memcpy_batch(
+                        dst[lo:hi], src[lo:hi], sizes[lo:hi], attrs, stream.cuda_stream
+                    )
+
+    def _pitched(
+        self,
+        to_host: bool,
+        device_ids: torch.Tensor,
+        host_ids: torch.Tensor,
+        used: list[torch.cuda.Stream],
+    ) -> None:
+        memcpy_2d = self._runtime.memcpy_2d
+        handles = [s.cuda_stream for s in used]
+        pairs = list(zip(device_ids.tolist(), host_ids.tolist(), strict=True))
+        for g in self._groups:
+            assert g.pitches is not None
+            device_pitch, host_pitch = g.pitches
+            rows, width = len(g.names), g.chunk_bytes
+            for k, (d, h) in enumerate(pairs):
+                device = g.first_device + d * g.device_block_stride
+                host = g.first_host + h * g.host_block_stride
+                stream = handles[k % len(handles)]
+                if to_host:
+                    memcpy_2d(host, host_pitch, device, device_pitch, width, rows, stream)
+                else:
+                    memcpy_2d(device, device_pitch, host, host_pitch, width, rows, stream)
 
     def _tables(self, device_ids: torch.Tensor, host_ids: torch.Tensor) -> list[_Tables]:
         for d, h, tables in self._cached:

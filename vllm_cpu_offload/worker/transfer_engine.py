@@ -34,12 +34,13 @@ from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
 
 logger = logging.getLogger(__name__)
 
-# With backend "auto", runs shorter than this go to the Triton kernels on CUDA. The copy
-# engines pay about a microsecond of host time and of engine set-up per copy: measured on an
-# H100 (`benchmarks/transfer.py --run-sweep`), 8 streams of DMA beat the kernel from 128 KiB
-# runs up (52 vs 40-45 GB/s), tie with it at 32-64 KiB (47-50 GB/s) while costing the host
-# 2-3 us per copy, and collapse below 32 KiB (3-14 GB/s).
-DMA_MIN_RUN_BYTES = 128 << 10
+# With backend "auto", stores go to the copy engines when every run is at least this long,
+# else to the Triton kernels. Measured on an H100 (`benchmarks/transfer.py --run-sweep`):
+# over 8 streams the copy engines match the kernel from 32 KiB runs up (47-50 GB/s) and
+# beat it from 128 KiB (52 vs 40-45), but collapse below 32 KiB (3-14 GB/s); at 32 KiB a
+# scattered batch also costs the host a microsecond per 32 KiB. Whole blocks of a
+# layer-compact layout go as one pitched copy each, whatever the run.
+DMA_MIN_RUN_BYTES = 64 << 10
 
 Ids = Sequence[int] | torch.Tensor
 
@@ -83,13 +84,14 @@ class BlockCopier(Protocol):
 
 @dataclass
 class _Batch:
-    """The valid jobs of one call, with their ids ready on the copy device."""
+    """The valid jobs of one call, with their ids on the host (pinned on CUDA) and, once a
+    kernel needs them, on the device."""
 
     job_ids: list[int]
     sizes: list[int]  # blocks of each job, in order
-    device_ids: torch.Tensor
-    host_ids: torch.Tensor
-    staging: torch.Tensor | None = None  # pinned source of the ids, alive until done
+    device_ids: torch.Tensor  # on the host
+    host_ids: torch.Tensor  # on the host
+    on_device: tuple[torch.Tensor, torch.Tensor] | None = None
     layers_done: set[str] = field(default_factory=set)
     failed: bool = False
 
@@ -111,12 +113,17 @@ class TransferEngine:
         kv_caches: layer name -> device KV cache, as vLLM registers them. Names that view the
             same tensor (KV sharing) are copied once.
         host_buffer: built for the same caches (`HostBuffer.for_kv_caches`).
-        copier: the block copier; by default chosen by `backend`.
-        backend: on CUDA, "triton" (kernels), "dma" (copy engines) or "auto" (DMA where
-            every run is at least `DMA_MIN_RUN_BYTES`, else Triton). Torch views on CPU.
+        copier: the block copier for loads and stores; by default chosen by `backend`.
+        store_copier: a different copier for stores, if any.
+        backend: on CUDA, "triton" (kernels both ways), "dma" (copy engines both ways) or
+            "auto": loads on the kernels (one cheap launch per layer, inside the step), stores
+            on the copy engines where every run is at least `DMA_MIN_RUN_BYTES` (they leave
+            the forward's SMs alone), else on the kernels. Torch views on CPU.
         layerwise_stores: on CUDA, copy each layer as soon as its hook runs (stores finish
             early, one launch per layer). False defers them to `finish_step`: one launch for
-            all layers, later completion. The CPU path always defers.
+            all layers, later completion. The CPU path and DMA stores always defer: a DMA
+            batch costs the host about a microsecond per run, which `finish_step` pays while
+            the device still runs the step's forward.
     """
 
     def __init__(
@@ -125,6 +132,7 @@ class TransferEngine:
         host_buffer: HostBuffer,
         *,
         copier: BlockCopier | None = None,
+        store_copier: BlockCopier | None = None,
         backend: str = "auto",
         layerwise_stores: bool = True,
     ) -> None:
@@ -144,12 +152,14 @@ class TransferEngine:
         self.num_device_blocks = min(host_buffer.layouts[n].num_blocks for n in self._layers)
         self.device = next(iter(caches.values())).device
         self.use_streams = self.device.type == "cuda"
-        self._layerwise_stores = self.use_streams and layerwise_stores
-        self._copier: BlockCopier = copier or _default_copier(
-            caches, host_buffer, self.device, backend
+        if copier is None:
+            copier, default_store = _default_copiers(caches, host_buffer, self.device, backend)
+            store_copier = store_copier or default_store
+        self._copier: BlockCopier = copier
+        self._store_copier: BlockCopier = store_copier or copier
+        self._layerwise_stores = (
+            self.use_streams and layerwise_stores and not _ids_on_host(self._store_copier)
         )
-        # DMA copies read their block ids on the host; kernels read them on the device.
-        self._ids_on_device = self.use_streams and not getattr(self._copier, "ids_on_host", False)
 
         self._failed: set[int] = set()
         self._finished = FinishedJobs()
@@ -179,9 +189,8 @@ class TransferEngine:
         with torch.cuda.stream(self._load_stream):
             # Blocks handed to these loads may still be read by earlier compute work.
             self._load_stream.wait_stream(compute)
-            self._to_device(batch)
             for name in self._layers:
-                if not self._launch(False, batch, [name]):
+                if not self._launch(self._copier, False, batch, [name]):
                     break
                 self._load_events[name].record(self._load_stream)
 
@@ -208,8 +217,7 @@ class TransferEngine:
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._store_stream):
             self._store_stream.wait_stream(compute)
-            self._to_device(batch)
-            self._launch(True, batch, [name])
+            self._launch(self._store_copier, True, batch, [name])
 
     def finish_step(self) -> None:
         """Ends the step: waits compute on unwaited loads, completes this step's stores."""
@@ -231,8 +239,8 @@ class TransferEngine:
             if rest and not batch.failed:
                 with torch.cuda.stream(self._store_stream):
                     self._store_stream.wait_stream(compute)
-                    self._to_device(batch)
-                    self._launch(True, batch, None if len(rest) == len(self._layers) else rest)
+                    layers = None if len(rest) == len(self._layers) else rest
+                    self._launch(self._store_copier, True, batch, layers)
             self._track(self._store_stream, batch, is_store=True)
 
     def poll_finished(self) -> FinishedJobs:
@@ -272,7 +280,8 @@ class TransferEngine:
         self, to_host: bool, device_ids: Ids, host_ids: Ids, layers: Sequence[str] | None = None
     ) -> None:
         """Copies the pairs for `layers` (default all) on the current stream, unchecked."""
-        where = self.device if self._ids_on_device else torch.device("cpu")
+        on_device = self.use_streams and not _ids_on_host(self._copier)
+        where = self.device if on_device else torch.device("cpu")
         d = torch.as_tensor(device_ids, dtype=torch.int64).to(where)
         h = torch.as_tensor(host_ids, dtype=torch.int64).to(where)
         names = None if layers is None else list(dict.fromkeys(self._canonical[n] for n in layers))
@@ -311,9 +320,8 @@ class TransferEngine:
             return None
         ids = torch.stack([torch.cat(device), torch.cat(host)])
         sizes = [t.numel() for t in device]
-        if self._ids_on_device:
-            staging = ids.pin_memory()
-            return _Batch(job_ids, sizes, staging[0], staging[1], staging=staging)
+        if self.use_streams:
+            ids = ids.pin_memory()  # the source of a non-blocking copy to the device
         return _Batch(job_ids, sizes, ids[0], ids[1])
 
     def _check(self, d: torch.Tensor, h: torch.Tensor) -> str | None:
@@ -327,16 +335,23 @@ class TransferEngine:
             return f"host block id out of range [0, {self.host.num_host_blocks})"
         return None
 
-    def _to_device(self, batch: _Batch) -> None:
-        """Moves the ids onto the device, on the current (side) stream, once per batch."""
-        if batch.staging is not None and batch.device_ids.device != self.device:
-            ids = batch.staging.to(self.device, non_blocking=True)
-            batch.device_ids, batch.host_ids = ids[0], ids[1]
+    def _ids(self, copier: BlockCopier, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's ids where `copier` reads them; moved on the current (side) stream once."""
+        if not self.use_streams or _ids_on_host(copier):
+            return batch.device_ids, batch.host_ids
+        if batch.on_device is None:
+            batch.on_device = (
+                batch.device_ids.to(self.device, non_blocking=True),
+                batch.host_ids.to(self.device, non_blocking=True),
+            )
+        return batch.on_device
 
-    def _launch(self, to_host: bool, batch: _Batch, names: list[str] | None) -> bool:
+    def _launch(
+        self, copier: BlockCopier, to_host: bool, batch: _Batch, names: list[str] | None
+    ) -> bool:
         """Copies these layers (None: all) on the current stream; a raise fails the batch."""
         try:
-            self._copier.copy(to_host, batch.device_ids, batch.host_ids, names)
+            copier.copy(to_host, *self._ids(copier, batch), names)
             return True
         except Exception:
             logger.exception("copy of layers %s failed; jobs %s fail", names, batch.job_ids)
@@ -373,16 +388,29 @@ class TransferEngine:
         self._pending.append(_Pending(event, batch.job_ids, is_store, [batch]))
 
 
-def _default_copier(
+def _ids_on_host(copier: BlockCopier) -> bool:
+    return bool(getattr(copier, "ids_on_host", False))
+
+
+def _default_copiers(
     caches: Mapping[str, torch.Tensor], host: HostBuffer, device: torch.device, backend: str
-) -> BlockCopier:
-    """CPU: torch views. CUDA: the copy engines where asked for, or with "auto" where runs
-    are long enough to keep them busy; else Triton kernels; else torch copies."""
+) -> tuple[BlockCopier, BlockCopier]:
+    """(load copier, store copier) for `backend`; see `TransferEngine`."""
     if device.type != "cuda":
-        return TorchBlockCopier(caches, host)
-    candidates: list[tuple[str, Callable[[], BlockCopier]]] = []
+        copier = TorchBlockCopier(caches, host)
+        return copier, copier
     shortest_run = min(host.layouts[n].chunk_bytes for n in caches)
-    if backend == "dma" or (backend == "auto" and shortest_run >= DMA_MIN_RUN_BYTES):
+    dma_stores = backend == "dma" or (backend == "auto" and shortest_run >= DMA_MIN_RUN_BYTES)
+    loads = _cuda_copier(caches, host, dma=backend == "dma")
+    if not dma_stores or _ids_on_host(loads):
+        return loads, loads
+    return loads, _cuda_copier(caches, host, dma=True)
+
+
+def _cuda_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer, *, dma: bool) -> BlockCopier:
+    """The copy engines if asked for and they work, else Triton kernels, else torch copies."""
+    candidates: list[tuple[str, Callable[[], BlockCopier]]] = []
+    if dma:
         candidates.append(("DMA", lambda: _dma_copier(caches, host)))
     candidates.append(("Triton", lambda: _triton_copier(caches, host)))
     for name, make in candidates:
