@@ -392,24 +392,34 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
 def queue_cost(
     engines: dict[str, TransferEngine], caches: dict[str, torch.Tensor], n: int
 ) -> list[dict]:
-    """CUDA: host microseconds to queue one layer's load of `n` blocks (the step's loop)."""
+    """CUDA: host microseconds to queue one layer's load of `n` blocks (the step's per-layer
+    loop), and a store of `n` blocks of every layer (the end of a step)."""
     rows = []
     d = torch.randperm(n)
     h = torch.randperm(n)
     for name, engine in engines.items():
-        on_host = getattr(engine._copier, "ids_on_host", False)
+        copier = engine._copier
+        on_host = getattr(copier, "ids_on_host", False)
         dd, hh = (d, h) if on_host else (d.cuda(), h.cuda())
         names = list(caches)
         for _ in range(2):
             torch.cuda.synchronize()
             start = time.perf_counter()
             for layer in names:
-                engine._copier.copy(False, dd, hh, [layer])
-            elapsed = time.perf_counter() - start
+                copier.copy(False, dd, hh, [layer])
+            per_layer = (time.perf_counter() - start) / len(names)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            copier.copy(True, dd, hh)
+            store = time.perf_counter() - start
         torch.cuda.synchronize()
-        rows.append({"method": name, "queue_us_per_layer": elapsed / len(names) * 1e6})
-        us = rows[-1]["queue_us_per_layer"]
-        print(f"queue one layer's load of {n} blocks, {name}: {us:.0f} us")
+        rows.append(
+            {"method": name, "queue_us_per_layer": per_layer * 1e6, "queue_us_store": store * 1e6}
+        )
+        print(
+            f"host time to queue {n} blocks, {name}: one layer's load {per_layer * 1e6:.0f} us, "
+            f"a store of every layer {store * 1e6:.0f} us"
+        )
     return rows
 
 
