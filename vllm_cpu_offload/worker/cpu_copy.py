@@ -11,13 +11,12 @@ memory here, so a copy is a memcpy between two strided views. What makes it fast
   every byte twice and measured 10x slower here).
 - Bytes move as the widest integer word the alignment allows (uint8 copies measured 2x
   slower than int64 ones).
-- A run below `PARALLEL_MIN_BYTES` is copied on one thread. ATen splits copies above 32K
-  elements over its OpenMP pool, and a parallel region waits for its slowest thread: on a
-  machine whose cores are busy with anything else (here: another process on one of 2
-  cores) a 2 MiB copy took 7 ms with 2 threads and 0.15 ms with 1. Only a run large enough
-  to amortize such a wait gets the pool.
+- On CPU, runs under `PARALLEL_MIN_BYTES` are cut into pieces of at most `PIECE_BYTES`,
+  and pieces adding up to `SPLIT_MIN_BYTES` are shared with helper threads
+  (`copy_threads`), each copying with torch's intra-op pool at 1 thread. Only longer runs
+  use ATen's OpenMP pool, whose parallel regions stall for milliseconds on a busy machine.
 
-Imports torch only.
+Imports torch (and the standard library) only.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_cpu_offload.worker.copy_threads import CopyThreads, default_threads, set_threads
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 
@@ -35,10 +35,22 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 Run = tuple[int, int, int]  # (first device block, first host block, blocks)
 
-# Runs of at least this many bytes use torch's thread pool. Measured here: one thread copies
-# ~5.6 GB/s; two threads ~12 GB/s on an idle machine, but a parallel region can stall ~7 ms
-# on a busy one. At 64 MiB a stall costs no more than the single-thread time it saves.
+# Measured here (2 vCPUs, see docs/transfer.md): one thread copies ~6-10 GB/s of
+# scattered blocks; two ~12-15 GB/s when the second core is free, and 5-10% less than one
+# when another process holds it (the two threads then share one core).
+#
+# Runs of at least this many bytes use ATen's OpenMP pool on the calling thread: a long
+# strided copy there matched or beat a plain memcpy, and a ~7 ms stall costs no more than
+# the single-thread time it saves.
 PARALLEL_MIN_BYTES = 64 << 20
+# Shorter runs are cut into pieces of at most this size: small enough that two threads
+# share a long run, large enough that the few microseconds of Python per piece vanish.
+PIECE_BYTES = 4 << 20
+# Pieces adding up to less than this are copied by the calling thread alone. On a busy
+# machine sharing measured 10-25% slower at 1-16 MiB, and a helper that loses its core in
+# the middle of a piece can hold the call for milliseconds, which only a batch that takes
+# that long on one thread can absorb.
+SPLIT_MIN_BYTES = 32 << 20
 
 
 @dataclass
@@ -127,7 +139,10 @@ class TorchBlockCopier:
     """Copies blocks between the KV caches and a `HostBuffer` with torch `copy_` on views.
 
     `kv_caches` holds the layers that own a host slot. Synchronous (on CUDA tensors it
-    queues on the current stream). Block ids must be validated by the caller.
+    queues on the current stream, from the calling thread only). Block ids must be
+    validated by the caller, and destination blocks must be distinct (which of two copies
+    into one block lands is unspecified). A copy that raises in any thread raises from
+    `copy`, after every thread has stopped touching the buffers.
     """
 
     def __init__(
@@ -135,10 +150,12 @@ class TorchBlockCopier:
         kv_caches: Mapping[str, torch.Tensor],
         host: HostBuffer,
         *,
-        small_runs_one_thread: bool = True,
+        threads: int | None = None,
     ) -> None:
         devices = {t.device.type for t in kv_caches.values()}
-        self._one_thread = small_runs_one_thread and devices == {"cpu"}
+        self._on_cpu = devices == {"cpu"}
+        count = (threads or default_threads()) if self._on_cpu else 1
+        self._threads = CopyThreads(count) if count > 1 else None
         stacks: list[_Stack] = []
         for name, t in kv_caches.items():
             layout, slot = host.layouts[name], host.slot_offsets[name]
@@ -148,10 +165,9 @@ class TorchBlockCopier:
                 stacks.append(
                     _Stack(layout, [name], t.untyped_storage(), _byte_offset(t), 0, slot, 0)
                 )
-        self._stacks = [stack.views(host) for stack in stacks]
-        self._stack_block_bytes = [len(s.names) * s.layout.block_bytes for s in stacks]
+        self._stacks = [(*s.views(host), len(s.names) * s.layout.block_bytes) for s in stacks]
         self._layers: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        for stack, (device, host_view) in zip(stacks, self._stacks, strict=True):
+        for stack, (device, host_view, _) in zip(stacks, self._stacks, strict=True):
             for i, name in enumerate(stack.names):
                 view = (device[:, i : i + 1], host_view[:, i : i + 1], stack.layout.block_bytes)
                 self._layers[name] = view
@@ -169,26 +185,42 @@ class TorchBlockCopier:
     ) -> None:
         """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given layers."""
         runs = runs_of(_as_list(device_ids), _as_list(host_ids))
-        if layers is None:
-            views = [(*v, b) for v, b in zip(self._stacks, self._stack_block_bytes, strict=True)]
-        else:
-            views = [self._layers[n] for n in layers]
+        views = self._stacks if layers is None else [self._layers[n] for n in layers]
+        pieces: list[_Piece] = []
+        pieces_bytes = 0
+        for device, host, block_bytes in views:
+            step = max(1, PIECE_BYTES // block_bytes)
+            for d, h, n in runs:
+                if not self._on_cpu or n * block_bytes >= PARALLEL_MIN_BYTES:
+                    _copy(to_host, device, host, d, h, n)  # CUDA stream, or ATen's CPU pool
+                    continue
+                pieces_bytes += n * block_bytes
+                for i in range(0, n, step):
+                    pieces.append((device, host, d + i, h + i, min(step, n - i)))
+        if pieces:
+            self._copy_pieces(to_host, pieces, pieces_bytes)
+
+    def _copy_pieces(self, to_host: bool, pieces: list[_Piece], nbytes: int) -> None:
         pool = torch.get_num_threads()
-        current = pool
+        set_threads(1)
         try:
-            for device, host, block_bytes in views:
-                for d, h, n in runs:
-                    wanted = pool if n * block_bytes >= PARALLEL_MIN_BYTES else 1
-                    if self._one_thread and wanted != current:
-                        torch.set_num_threads(wanted)
-                        current = wanted
-                    if to_host:
-                        host[h : h + n].copy_(device[d : d + n])
-                    else:
-                        device[d : d + n].copy_(host[h : h + n])
+            if self._threads is not None and nbytes >= SPLIT_MIN_BYTES:
+                self._threads.run(pieces, lambda piece: _copy(to_host, *piece))
+            else:
+                for piece in pieces:
+                    _copy(to_host, *piece)
         finally:
-            if current != pool:
-                torch.set_num_threads(pool)
+            set_threads(pool)
+
+
+_Piece = tuple[torch.Tensor, torch.Tensor, int, int, int]  # device view, host view, d, h, n
+
+
+def _copy(to_host: bool, device: torch.Tensor, host: torch.Tensor, d: int, h: int, n: int) -> None:
+    if to_host:
+        host[h : h + n].copy_(device[d : d + n])
+    else:
+        device[d : d + n].copy_(host[h : h + n])
 
 
 def _as_list(ids: torch.Tensor | Sequence[int]) -> list[int]:

@@ -1,0 +1,189 @@
+"""TorchBlockCopier on CPU tensors: batches shared with helper threads land byte-exact, and a
+copy that raises in any thread raises from `copy` once every thread has stopped."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from vllm_cpu_offload.worker import copy_threads, cpu_copy
+from vllm_cpu_offload.worker.cpu_copy import TorchBlockCopier
+from vllm_cpu_offload.worker.host_buffer import HostBuffer
+from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine, TransferJob
+
+NUM_LAYERS, NUM_BLOCKS, NUM_HOST_BLOCKS = 4, 64, 48
+HELPER_WAIT_S = 10.0
+
+
+def _caches() -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout (LBHNC): all layers in one buffer, [B, H, N, 2 * D] per layer."""
+    raw = torch.randint(0, 256, (NUM_LAYERS, NUM_BLOCKS, 2, 4, 16), dtype=torch.int16)
+    return {f"model.layers.{i}.attn": raw[i] for i in range(NUM_LAYERS)}
+
+
+def _device_block(t: torch.Tensor, d: int) -> torch.Tensor:
+    return t[d].contiguous().view(-1).view(torch.uint8)
+
+
+@pytest.fixture
+def split_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tiny tensors: share every batch, and cut runs into 2-block pieces.
+    monkeypatch.setattr(cpu_copy, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(cpu_copy, "PIECE_BYTES", 2 * NUM_LAYERS * 256)
+
+
+@pytest.fixture
+def helper_takes_a_piece(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    # The calling thread copies nothing until a helper has taken a piece: both threads work.
+    helper_started = threading.Event()
+    copy = cpu_copy._copy
+
+    def gated_copy(*args: object) -> None:
+        if threading.current_thread() is threading.main_thread():
+            assert helper_started.wait(HELPER_WAIT_S), "no helper thread took a piece"
+        else:
+            helper_started.set()
+        copy(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_copy, "_copy", gated_copy)
+    return helper_started
+
+
+@pytest.mark.usefixtures("split_everything")
+@pytest.mark.parametrize("threads", [2, 3])
+def test_shared_batch_is_byte_exact(threads: int, helper_takes_a_piece: threading.Event) -> None:
+    # 40 scattered blocks and a 6-block run, shared by threads: stored, wiped, loaded back.
+    caches = _caches()
+    originals = {n: t.clone() for n, t in caches.items()}
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    host.tensor.zero_()
+    copier = TorchBlockCopier(caches, host, threads=threads)
+    gen = torch.Generator().manual_seed(0)
+    device_ids = [*torch.randperm(NUM_BLOCKS - 6, generator=gen)[:40].tolist()]
+    device_ids += range(NUM_BLOCKS - 6, NUM_BLOCKS)
+    host_ids = torch.randperm(NUM_HOST_BLOCKS, generator=gen)[:46].tolist()
+    copier.copy(True, torch.tensor(device_ids), torch.tensor(host_ids))
+    assert helper_takes_a_piece.is_set()
+    for name, t in caches.items():
+        for d, h in zip(device_ids, host_ids, strict=True):
+            assert torch.equal(host.layer_view(name)[h], _device_block(t, d))
+    for t in caches.values():
+        t.zero_()
+    copier.copy(False, device_ids, host_ids)
+    for name, t in caches.items():
+        for d in range(NUM_BLOCKS):
+            expected = originals[name][d] if d in device_ids else torch.zeros_like(t[d])
+            assert torch.equal(t[d], expected)
+
+
+@pytest.mark.usefixtures("split_everything")
+def test_error_in_a_helper_raises_after_all_threads_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A helper's piece raises: copy raises it, and no thread is still copying by then.
+    caches = _caches()
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    copier = TorchBlockCopier(caches, host, threads=2)
+    helper_started, active = threading.Event(), [0]
+    lock = threading.Lock()
+    copy = cpu_copy._copy
+
+    def failing_copy(*args: object) -> None:
+        with lock:
+            active[0] += 1
+        try:
+            if threading.current_thread() is threading.main_thread():
+                assert helper_started.wait(HELPER_WAIT_S), "no helper thread took a piece"
+            else:
+                helper_started.set()
+                raise RuntimeError("injected copy failure")
+            copy(*args)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(cpu_copy, "_copy", failing_copy)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        copier.copy(True, list(range(40)), list(range(40)))
+    assert active[0] == 0
+
+
+@pytest.mark.usefixtures("split_everything")
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_engine_fails_the_job_whose_shared_copy_raises(
+    direction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Any thread's copy of device block 30 raises: the shared batch raises, the engine
+    # retries job by job, and only the job holding block 30 fails.
+    caches = _caches()
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))
+    engine = TransferEngine(caches, host, copier=TorchBlockCopier(caches, host, threads=2))
+    copy = cpu_copy._copy
+
+    def failing_copy(
+        to_host: bool, dev: torch.Tensor, hv: torch.Tensor, d: int, h: int, n: int
+    ) -> None:
+        if d <= 30 < d + n:
+            raise RuntimeError("injected copy failure")
+        copy(to_host, dev, hv, d, h, n)
+
+    monkeypatch.setattr(cpu_copy, "_copy", failing_copy)
+    jobs = [TransferJob(1, list(range(30)), list(range(30))), TransferJob(2, [30], [40])]
+    if direction == "store":
+        engine.store_layer("model.layers.0.attn", jobs)
+        engine.finish_step()
+        assert engine.poll_finished() == FinishedJobs(stores={1}, failed={2})
+    else:
+        engine.start_loads(jobs)
+        engine.finish_step()
+        assert engine.poll_finished() == FinishedJobs(loads={1}, failed={2})
+    for name, t in caches.items():
+        for b in range(30):
+            assert torch.equal(host.layer_view(name)[b], _device_block(t, b))
+
+
+def test_small_batch_stays_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Below SPLIT_MIN_BYTES no helper is handed work (a hand-off costs more than it saves).
+    caches = _caches()
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    threads: set[str] = set()
+    copy = cpu_copy._copy
+
+    def recording_copy(*args: object) -> None:
+        threads.add(threading.current_thread().name)
+        copy(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_copy, "_copy", recording_copy)
+    TorchBlockCopier(caches, host, threads=2).copy(True, [3, 9, 1], [0, 5, 7])
+    assert threads == {threading.main_thread().name}
+
+
+def test_helpers_keep_the_torch_thread_count() -> None:
+    # Starting helpers (each sets its own intra-op pool to 1) leaves this thread's alone.
+    before = torch.get_num_threads()
+    caches = _caches()
+    TorchBlockCopier(caches, HostBuffer.for_kv_caches(caches, 2), threads=2)
+    assert torch.get_num_threads() == before
+
+
+def test_a_thread_pinned_to_one_core_gets_no_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's OpenMP binding pins the worker's main thread to one core; helpers would share it.
+    monkeypatch.setattr(copy_threads.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert copy_threads.default_threads() == 1
+
+
+def test_copies_ignore_a_replaced_set_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op; ours calls ATen's.
+    def forbidden(n: int) -> None:
+        raise AssertionError("torch.set_num_threads called")
+
+    monkeypatch.setattr(torch, "set_num_threads", forbidden)
+    monkeypatch.setattr(cpu_copy, "SPLIT_MIN_BYTES", 0)
+    caches = _caches()
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    TorchBlockCopier(caches, host, threads=2).copy(True, list(range(20)), list(range(20)))
+    for name, t in caches.items():
+        assert torch.equal(host.layer_view(name)[19], _device_block(t, 19))
