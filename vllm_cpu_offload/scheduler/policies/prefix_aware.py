@@ -66,58 +66,72 @@ class PrefixAwarePolicy(EvictionPolicy):
         # Blocks held in the protected segment, listed or not (pinned, storing, parked).
         self._num_protected = 0
         self._history_factor = history_factor
-        self._history: OrderedDict[BlockKey, None] = OrderedDict()
+        # Keyed by hash(key): one hash per insert serves the sample test and this look-up.
+        # Two keys with equal 64-bit hashes at worst recall a key that was never evicted.
+        self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(num_blocks * history_factor))
         self._duel = AdmissionDuel(num_blocks, history_factor, shadow_blocks)
 
     # ----- hooks -----
 
     def admit(self, key: BlockKey) -> bool:
-        if not self._duel.doorkeeper or key in self._history:
+        if not self._duel.doorkeeper:
             return True
-        self._duel.observe(key)
-        self._remember(key)
+        h = hash(key)
+        if h in self._history:
+            return True
+        self._duel.observe(h)
+        self._remember(h)
         return False
 
     def on_declined(self, key: BlockKey) -> None:
-        self._duel.observe(key)
-        if key not in self._history:
-            self._remember(key)
+        h = hash(key)
+        self._duel.observe(h)
+        if h not in self._history:
+            self._remember(h)
 
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
         history, duel = self._history, self._duel
-        modulus = duel.modulus
-        clock = self._clock
+        mask = duel.modulus - 1
+        clock = self._clock = self._clock + 1  # one stamp per batch: its blocks came together
         recalled = False
         for block in blocks:
             # A free block is in probation already: `pop_victim` and `on_remove` put it back.
-            key = block.key
+            h = hash(block.key)
             # Sampled keys feed the shadows, here and at every later use (`flag`).
-            if hash(key) % modulus:
+            if h & mask:
                 block.flag = False
             else:
                 block.flag = True
-                duel.use(key)
-            clock += 1
+                duel.use(h)
             block.stamp = clock
-            if key in history:
-                del history[key]
+            if h in history:
+                del history[h]
                 block.segment = _PROTECTED
                 self._num_protected += 1
                 recalled = True
-        self._clock = clock
         if recalled:
             self._shrink_protected()
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
+        probation = self._probation
+        root = probation.root
+        tail = root.prev
+        added = 0
         for block in blocks:
             if block.orphan or block.segment:
-                break
-        else:
-            self._probation.extend(blocks)  # the common case: one splice
-            return
-        for block in blocks:
-            self._home(block).append(block)
+                self._home(block).append(block)  # orphans or protected, never probation
+                continue
+            # Inlined append at the probation tail, whose end is linked once after the
+            # loop: the common case.
+            block.prev = tail
+            tail.next = block
+            block.owner = probation
+            tail = block
+            added += 1
+        tail.next = root
+        root.prev = tail
+        probation.size += added
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
         protected, probation, orphans, duel = (
@@ -127,26 +141,25 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._duel,
         )
         root = protected.root
-        clock = self._clock
+        tail = root.prev
+        clock = self._clock = self._clock + 1  # one stamp per batch: its blocks came together
         promoted = 0
         for block in blocks:
             if block.flag:
-                duel.use(block.key)
-            clock += 1
+                duel.use(hash(block.key))
             block.stamp = clock
             owner = block.owner
             if owner is protected or owner is probation:
-                # Inlined unlink, then append at the protected tail: the hot path.
-                tail = root.prev
+                # Inlined unlink, then append after `tail`: the hot path. The list's end
+                # is linked once, after the loop (or before any other list operation).
                 if block is tail:
                     continue
                 prev, nxt = block.prev, block.next
                 prev.next = nxt
                 nxt.prev = prev
                 block.prev = tail
-                block.next = root
                 tail.next = block
-                root.prev = block
+                tail = block
                 if owner is probation:
                     probation.size -= 1
                     protected.size += 1
@@ -160,8 +173,12 @@ class PrefixAwarePolicy(EvictionPolicy):
             if owner is orphans:
                 orphans.move_to_end(block)
             elif owner is None and block.evictable:  # parked: relist as the newest
+                tail.next = root
+                root.prev = tail
                 self._home(block).append(block)
-        self._clock = clock
+                tail = root.prev
+        tail.next = root
+        root.prev = tail
         self._num_protected += promoted
         if self._num_protected > self._protected_cap:
             self._shrink_protected()
@@ -213,7 +230,7 @@ class PrefixAwarePolicy(EvictionPolicy):
             victim.segment = _PROBATION
             self._num_protected -= 1
         history = self._history
-        history[victim.key] = None
+        history[hash(victim.key)] = None
         if len(history) > self._history_cap:
             history.popitem(last=False)
         return victim
@@ -261,8 +278,8 @@ class PrefixAwarePolicy(EvictionPolicy):
             else:
                 self._probation.append(demoted)
 
-    def _remember(self, key: BlockKey) -> None:
-        self._history[key] = None
+    def _remember(self, key_hash: int) -> None:
+        self._history[key_hash] = None
         if len(self._history) > self._history_cap:
             self._history.popitem(last=False)
 
@@ -271,7 +288,7 @@ class AdmissionDuel:
     """Chooses admit-all or doorkeeper by replaying a key sample through one shadow of each.
 
     Keys whose hash is divisible by `modulus` (a power of two) are sampled; each shadow
-    is a key-only LRU cache of num_blocks / modulus entries, so it sees the pool's
+    is an LRU cache of key hashes of num_blocks / modulus entries, so it sees the pool's
     workload at the pool's scale. Hit counts are halved every 8 shadow-capacities of
     sampled uses, so the choice follows phases of the workload. O(1) per use.
     """
@@ -302,17 +319,20 @@ class AdmissionDuel:
         door, admit_all = self._door.hits, self._admit_all.hits
         return door - admit_all > 2.0 * math.sqrt(door + admit_all)
 
-    def observe(self, key: BlockKey) -> bool:
-        """Feeds a use of `key` to the shadows if it is sampled; returns whether it is."""
-        if hash(key) % self.modulus:
+    def observe(self, key_hash: int) -> bool:
+        """Feeds a use of the key with this hash to the shadows if it is sampled.
+
+        Returns whether it is.
+        """
+        if key_hash & (self.modulus - 1):
             return False
-        self.use(key)
+        self.use(key_hash)
         return True
 
-    def use(self, key: BlockKey) -> None:
-        """Feeds a use of a key known to be sampled to both shadows."""
-        self._admit_all.use(key)
-        self._door.use(key)
+    def use(self, key_hash: int) -> None:
+        """Feeds a use of a key known to be sampled (by its hash) to both shadows."""
+        self._admit_all.use(key_hash)
+        self._door.use(key_hash)
         self._uses += 1
         if self._uses % self._half_life == 0:
             self._admit_all.hits /= 2
@@ -328,11 +348,11 @@ class _ShadowCache:
         self.capacity = capacity
         self.hits = 0.0
         self._doorkeeper = doorkeeper
-        self._held: OrderedDict[BlockKey, None] = OrderedDict()
-        self._history: OrderedDict[BlockKey, None] = OrderedDict()
+        self._held: OrderedDict[int, None] = OrderedDict()
+        self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(capacity * history_factor))
 
-    def use(self, key: BlockKey) -> None:
+    def use(self, key: int) -> None:
         held = self._held
         if key in held:
             held.move_to_end(key)
@@ -347,7 +367,7 @@ class _ShadowCache:
         if full:
             self._remember(held.popitem(last=False)[0])
 
-    def _remember(self, key: BlockKey) -> None:
+    def _remember(self, key: int) -> None:
         self._history[key] = None
         if len(self._history) > self._history_cap:
             self._history.popitem(last=False)
