@@ -91,20 +91,19 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._remember(h)
 
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
+        # A free block is in probation with `flag` clear: `pop_victim` and `on_remove` see
+        # to it.
         history, duel = self._history, self._duel
         mask = duel.modulus - 1
         clock = self._clock = self._clock + 1  # one stamp per batch: its blocks came together
         recalled = False
         for block in blocks:
-            # A free block is in probation already: `pop_victim` and `on_remove` put it back.
+            block.stamp = clock
             h = hash(block.key)
-            # Sampled keys feed the shadows, here and at every later use (`flag`).
-            if h & mask:
-                block.flag = False
-            else:
+            if not h & mask:
+                # Sampled keys feed the shadows, here and at every later use (`flag`).
                 block.flag = True
                 duel.use(h)
-            block.stamp = clock
             if h in history:
                 del history[h]
                 block.segment = _PROTECTED
@@ -194,6 +193,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         if block.owner is not None:
             block.owner.remove(block)
         self._set_segment(block, _PROBATION)
+        block.flag = False
 
     def on_orphaned(self, block: HostBlock) -> None:
         if block.owner is not None:
@@ -229,6 +229,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         if victim.segment == _PROTECTED:
             victim.segment = _PROBATION
             self._num_protected -= 1
+        victim.flag = False
         history = self._history
         history[hash(victim.key)] = None
         if len(history) > self._history_cap:
