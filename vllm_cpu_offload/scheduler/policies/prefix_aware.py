@@ -142,7 +142,8 @@ class PrefixAwarePolicy(EvictionPolicy):
         root = protected.root
         tail = root.prev
         clock = self._clock = self._clock + 1  # one stamp per batch: its blocks came together
-        promoted = 0
+        promoted = 0  # into the protected segment
+        moved = 0  # from the probation list to the protected list: sizes change once, below
         for block in blocks:
             if block.flag:
                 duel.use(hash(block.key))
@@ -160,11 +161,9 @@ class PrefixAwarePolicy(EvictionPolicy):
                 tail.next = block
                 tail = block
                 if owner is probation:
-                    probation.size -= 1
-                    protected.size += 1
                     block.owner = protected
                     block.segment = _PROTECTED
-                    promoted += 1
+                    moved += 1
                 continue
             if block.segment != _PROTECTED:
                 block.segment = _PROTECTED
@@ -178,7 +177,9 @@ class PrefixAwarePolicy(EvictionPolicy):
                 tail = root.prev
         tail.next = root
         root.prev = tail
-        self._num_protected += promoted
+        probation.size -= moved
+        protected.size += moved
+        self._num_protected += promoted + moved
         if self._num_protected > self._protected_cap:
             self._shrink_protected()
 
