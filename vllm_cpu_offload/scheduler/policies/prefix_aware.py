@@ -293,9 +293,23 @@ class AdmissionDuel:
     is an LRU cache of key hashes of num_blocks / modulus entries, so it sees the pool's
     workload at the pool's scale. Hit counts are halved every 8 shadow-capacities of
     sampled uses, so the choice follows phases of the workload. O(1) per use.
+
+    `doorkeeper` is True while the doorkeeper's shadow hits more, by more than sampling
+    noise: hit counts are roughly Poisson, so the difference must exceed two standard
+    deviations (2 * sqrt(sum)) before the pool starts refusing keys. It is a plain
+    attribute, updated when the hit counts change, because the pool reads it at every
+    admission and eviction.
     """
 
-    __slots__ = ("shadow_blocks", "modulus", "_admit_all", "_door", "_uses", "_half_life")
+    __slots__ = (
+        "shadow_blocks",
+        "modulus",
+        "doorkeeper",
+        "_admit_all",
+        "_door",
+        "_uses",
+        "_half_life",
+    )
 
     def __init__(self, num_blocks: int, history_factor: float, shadow_blocks: int) -> None:
         if shadow_blocks < 1:
@@ -310,16 +324,7 @@ class AdmissionDuel:
         self._door = _ShadowCache(capacity, history_factor, doorkeeper=True)
         self._uses = 0
         self._half_life = 8 * capacity
-
-    @property
-    def doorkeeper(self) -> bool:
-        """True when the doorkeeper's shadow hits more, by more than sampling noise.
-
-        Hit counts are roughly Poisson: the difference must exceed two standard
-        deviations (2 * sqrt(sum)) before the pool starts refusing keys.
-        """
-        door, admit_all = self._door.hits, self._admit_all.hits
-        return door - admit_all > 2.0 * math.sqrt(door + admit_all)
+        self.doorkeeper = False
 
     def observe(self, key_hash: int) -> bool:
         """Feeds a use of the key with this hash to the shadows if it is sampled.
@@ -339,6 +344,8 @@ class AdmissionDuel:
         if self._uses % self._half_life == 0:
             self._admit_all.hits /= 2
             self._door.hits /= 2
+        door, admit_all = self._door.hits, self._admit_all.hits
+        self.doorkeeper = door - admit_all > 2.0 * math.sqrt(door + admit_all)
 
 
 class _ShadowCache:
