@@ -237,7 +237,7 @@ class HostBlockPool:
         storing = BlockState.STORING
         # Deepest first, so that each ancestor ends at least as recent as its descendants
         # and a failed chain is freed leaves first.
-        done = [get(key) for key in reversed(keys)]
+        done = list(map(get, reversed(keys)))
         if not done:
             return
         # One pass checks and flips; a bad key (or a key named twice) undoes the flips.
