@@ -197,9 +197,12 @@ def test_complete_store_rejects_keys_not_being_stored(policy: str) -> None:
     pool = make_pool(policy, 4)
     store(pool, ["a"])
     pool.allocate_for_store(["b"], "a")
-    with pytest.raises(ValueError, match="not being stored"):
-        pool.complete_store(["b", "a"], True)
-    assert pool.state_of("b") is BlockState.STORING
+    for keys in (["b", "a"], ["a", "b"], ["b", "b"], ["b", "x"]):
+        with pytest.raises(ValueError, match="not being stored"):
+            pool.complete_store(keys, True)
+        assert pool.state_of("b") is BlockState.STORING and pool.num_storing == 1
+        assert pool.count_hits(["a", "b"]) == 1
+        pool.check_invariants()
 
 
 def test_failed_parent_store_orphans_its_children(policy: str) -> None:

@@ -167,6 +167,24 @@ def test_prefix_aware_remembers_evicted_keys_as_reused() -> None:
     assert pool._held["r"].segment == 1 and pool._held["u"].segment == 0
 
 
+def test_prefix_aware_sample_flag_follows_the_key_not_the_block() -> None:
+    # A block freed from a sampled key and reused for an unsampled one feeds no shadow.
+    policy = PrefixAwarePolicy(2, shadow_blocks=1)  # samples the keys whose hash is even
+    pool = HostBlockPool(2, policy)
+    store(pool, [0])
+    sampled_block = pool._held[0]
+    assert sampled_block.flag
+    store(pool, [1])
+    store(pool, [3])  # evicts 0; its block now holds 3
+    assert pool._held[3] is sampled_block and not sampled_block.flag
+    uses = policy._duel._uses
+    assert pool.count_hits([3]) == 1 and pool.count_hits([1]) == 1
+    assert policy._duel._uses == uses
+    store(pool, [4])  # a sampled key is fed at its store and at each hit
+    assert policy._duel._uses == uses + 1
+    assert pool.count_hits([4]) == 1 and policy._duel._uses == uses + 2
+
+
 def _hot_and_one_offs(pool: HostBlockPool, laps: int) -> tuple[int, int]:
     """12 hot keys in a loop, 3 never-reused keys after each: reuse distance 48 > 16.
 
@@ -213,7 +231,7 @@ def test_admission_duel_prefers_admit_all_on_a_small_working_set() -> None:
     duel = AdmissionDuel(num_blocks=64, history_factor=4.0, shadow_blocks=64)
     for _ in range(10):
         for key in range(32):
-            duel.observe(key)
+            duel.observe(hash(key))
     assert not duel.doorkeeper
 
 
@@ -222,8 +240,8 @@ def test_admission_duel_samples_large_pools() -> None:
     duel = AdmissionDuel(num_blocks=16 * 64, history_factor=4.0, shadow_blocks=64)
     for _ in range(3):
         for key in range(1, 16):
-            duel.observe(key)  # hash(int) == int: none divisible by 16
+            duel.observe(hash(key))  # hash(int) == int: none divisible by 16
     assert duel._admit_all.hits == 0 and duel._door.hits == 0
-    duel.observe(16)
-    duel.observe(16)
+    duel.observe(hash(16))
+    duel.observe(hash(16))
     assert duel._admit_all.hits == 1

@@ -4,7 +4,10 @@ Random lookups, store allocations, store completions (success and failure), load
 (pin/unpin), resets, and evictions under pressure, checked against a model after every
 step: the pool holds exactly the keys the model holds, in the same states; a pinned or
 storing block is never evicted; lookups return the longest READY prefix; the capacity
-bound holds; and `check_invariants` passes.
+bound holds; and `check_invariants` passes. For the chain-aware policy, every victim is
+checked when it is chosen: an orphan goes before any other block, and a block with
+children in the pool is never a victim unless it is an orphan itself, so eviction never
+makes an orphan.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool
-from vllm_cpu_offload.scheduler.policies import make_policy
+from vllm_cpu_offload.scheduler.policies import HostBlock, make_policy
 
 KEYS = st.integers(min_value=0, max_value=23)  # few keys: chains overlap and keys return
 CHAINS = st.lists(KEYS, min_size=1, max_size=6, unique=True)
@@ -22,14 +25,38 @@ CHAINS = st.lists(KEYS, min_size=1, max_size=6, unique=True)
 
 class PoolMachine(RuleBasedStateMachine):
     policy_name = "lru"
+    chain_aware = False  # whether victims must respect chains (orphans first, leaves only)
 
     def __init__(self) -> None:
         super().__init__()
         self.num_blocks = 8
-        self.pool = HostBlockPool(self.num_blocks, make_policy(self.policy_name, 8))
+        policy = make_policy(self.policy_name, 8)
+        self.pool = HostBlockPool(self.num_blocks, policy)
         self.state: dict[BlockKey, BlockState] = {}  # the model: key -> state
         self.pins: dict[BlockKey, int] = {}  # key -> loads in flight
         self.block_ids: dict[BlockKey, int] = {}
+        self.victims = 0
+        choose = policy.pop_victim
+
+        def checked_pop_victim() -> HostBlock | None:
+            victim = choose()
+            if victim is not None:
+                self._check_victim(victim)
+            return victim
+
+        policy.pop_victim = checked_pop_victim  # type: ignore[method-assign]
+
+    def _check_victim(self, victim: HostBlock) -> None:
+        """Runs when the policy has chosen, before the pool frees the victim."""
+        self.victims += 1
+        assert victim.evictable, f"victim {victim} is pinned or storing"
+        if not self.chain_aware:
+            return
+        held = list(self.pool._held.values())
+        if not victim.orphan:
+            assert victim.num_children == 0, f"evicting {victim} would orphan its children"
+            waiting = [b for b in held if b.orphan and b.evictable and b is not victim]
+            assert not waiting, f"kept orphans {waiting} and evicted {victim}"
 
     # ----- helpers -----
 
@@ -148,6 +175,7 @@ class LRUPoolMachine(PoolMachine):
 
 class PrefixAwarePoolMachine(PoolMachine):
     policy_name = "prefix_aware"
+    chain_aware = True
 
 
 _SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)

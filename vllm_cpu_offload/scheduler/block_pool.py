@@ -237,24 +237,29 @@ class HostBlockPool:
         storing = BlockState.STORING
         # Deepest first, so that each ancestor ends at least as recent as its descendants
         # and a failed chain is freed leaves first.
-        done = [get(key) for key in reversed(keys)]
-        for block in done:
-            if block is None or block.state is not storing:
-                bad = next(k for k in keys if (b := get(k)) is None or b.state is not storing)
-                raise ValueError(f"cannot complete {bad!r}: it is not being stored")
-        self._num_storing -= len(done)
+        done = list(map(get, reversed(keys)))
         if not done:
             return
+        # One pass checks and flips; a bad key (or a key named twice) undoes the flips.
+        ready = BlockState.READY
+        flipped = 0
+        for block in done:
+            if block is None or block.state is not storing:
+                for undo in done[:flipped]:
+                    undo.state = storing  # type: ignore[union-attr]
+                bad = keys[len(keys) - 1 - flipped]
+                raise ValueError(f"cannot complete {bad!r}: it is not being stored")
+            block.state = ready
+            flipped += 1
+        self._num_storing -= flipped
         checked = cast("list[HostBlock]", done)  # no None: checked above
         if success:
-            ready = BlockState.READY
-            for block in checked:
-                block.state = ready
             self.policy.on_ready(checked)
             if self._record_events:
                 self._events.append(PoolEvent("stored", tuple(keys)))
         else:
             for block in checked:
+                block.state = storing  # it never became visible
                 self.policy.on_remove(block)
                 self._release(block)
 

@@ -66,58 +66,71 @@ class PrefixAwarePolicy(EvictionPolicy):
         # Blocks held in the protected segment, listed or not (pinned, storing, parked).
         self._num_protected = 0
         self._history_factor = history_factor
-        self._history: OrderedDict[BlockKey, None] = OrderedDict()
+        # Keyed by hash(key): one hash per insert serves the sample test and this look-up.
+        # Two keys with equal 64-bit hashes at worst recall a key that was never evicted.
+        self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(num_blocks * history_factor))
         self._duel = AdmissionDuel(num_blocks, history_factor, shadow_blocks)
 
     # ----- hooks -----
 
     def admit(self, key: BlockKey) -> bool:
-        if not self._duel.doorkeeper or key in self._history:
+        if not self._duel.doorkeeper:
             return True
-        self._duel.observe(key)
-        self._remember(key)
+        h = hash(key)
+        if h in self._history:
+            return True
+        self._duel.observe(h)
+        self._remember(h)
         return False
 
     def on_declined(self, key: BlockKey) -> None:
-        self._duel.observe(key)
-        if key not in self._history:
-            self._remember(key)
+        h = hash(key)
+        self._duel.observe(h)
+        if h not in self._history:
+            self._remember(h)
 
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
+        # A free block is in probation with `flag` clear: `pop_victim` and `on_remove` see
+        # to it.
         history, duel = self._history, self._duel
-        modulus = duel.modulus
-        clock = self._clock
+        mask = duel.modulus - 1
+        clock = self._clock = self._clock + 1  # one stamp per batch: its blocks came together
         recalled = False
         for block in blocks:
-            # A free block is in probation already: `pop_victim` and `on_remove` put it back.
-            key = block.key
-            # Sampled keys feed the shadows, here and at every later use (`flag`).
-            if hash(key) % modulus:
-                block.flag = False
-            else:
-                block.flag = True
-                duel.use(key)
-            clock += 1
             block.stamp = clock
-            if key in history:
-                del history[key]
+            h = hash(block.key)
+            if not h & mask:
+                # Sampled keys feed the shadows, here and at every later use (`flag`).
+                block.flag = True
+                duel.use(h)
+            if h in history:
+                del history[h]
                 block.segment = _PROTECTED
                 self._num_protected += 1
                 recalled = True
-        self._clock = clock
         if recalled:
             self._shrink_protected()
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
+        probation = self._probation
+        root = probation.root
+        tail = root.prev
+        added = 0
         for block in blocks:
             if block.orphan or block.segment:
-                break
-        else:
-            self._probation.extend(blocks)  # the common case: one splice
-            return
-        for block in blocks:
-            self._home(block).append(block)
+                self._home(block).append(block)  # orphans or protected, never probation
+                continue
+            # Inlined append at the probation tail, whose end is linked once after the
+            # loop: the common case.
+            block.prev = tail
+            tail.next = block
+            block.owner = probation
+            tail = block
+            added += 1
+        tail.next = root
+        root.prev = tail
+        probation.size += added
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
         protected, probation, orphans, duel = (
@@ -127,32 +140,30 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._duel,
         )
         root = protected.root
-        clock = self._clock
-        promoted = 0
+        tail = root.prev
+        clock = self._clock = self._clock + 1  # one stamp per batch: its blocks came together
+        promoted = 0  # into the protected segment
+        moved = 0  # from the probation list to the protected list: sizes change once, below
         for block in blocks:
             if block.flag:
-                duel.use(block.key)
-            clock += 1
+                duel.use(hash(block.key))
             block.stamp = clock
             owner = block.owner
             if owner is protected or owner is probation:
-                # Inlined unlink, then append at the protected tail: the hot path.
-                tail = root.prev
+                # Inlined unlink, then append after `tail`: the hot path. The list's end
+                # is linked once, after the loop (or before any other list operation).
                 if block is tail:
                     continue
                 prev, nxt = block.prev, block.next
                 prev.next = nxt
                 nxt.prev = prev
                 block.prev = tail
-                block.next = root
                 tail.next = block
-                root.prev = block
+                tail = block
                 if owner is probation:
-                    probation.size -= 1
-                    protected.size += 1
                     block.owner = protected
                     block.segment = _PROTECTED
-                    promoted += 1
+                    moved += 1
                 continue
             if block.segment != _PROTECTED:
                 block.segment = _PROTECTED
@@ -160,9 +171,15 @@ class PrefixAwarePolicy(EvictionPolicy):
             if owner is orphans:
                 orphans.move_to_end(block)
             elif owner is None and block.evictable:  # parked: relist as the newest
+                tail.next = root
+                root.prev = tail
                 self._home(block).append(block)
-        self._clock = clock
-        self._num_protected += promoted
+                tail = root.prev
+        tail.next = root
+        root.prev = tail
+        probation.size -= moved
+        protected.size += moved
+        self._num_protected += promoted + moved
         if self._num_protected > self._protected_cap:
             self._shrink_protected()
 
@@ -177,6 +194,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         if block.owner is not None:
             block.owner.remove(block)
         self._set_segment(block, _PROBATION)
+        block.flag = False
 
     def on_orphaned(self, block: HostBlock) -> None:
         if block.owner is not None:
@@ -212,8 +230,9 @@ class PrefixAwarePolicy(EvictionPolicy):
         if victim.segment == _PROTECTED:
             victim.segment = _PROBATION
             self._num_protected -= 1
+        victim.flag = False
         history = self._history
-        history[victim.key] = None
+        history[hash(victim.key)] = None
         if len(history) > self._history_cap:
             history.popitem(last=False)
         return victim
@@ -261,8 +280,8 @@ class PrefixAwarePolicy(EvictionPolicy):
             else:
                 self._probation.append(demoted)
 
-    def _remember(self, key: BlockKey) -> None:
-        self._history[key] = None
+    def _remember(self, key_hash: int) -> None:
+        self._history[key_hash] = None
         if len(self._history) > self._history_cap:
             self._history.popitem(last=False)
 
@@ -271,12 +290,26 @@ class AdmissionDuel:
     """Chooses admit-all or doorkeeper by replaying a key sample through one shadow of each.
 
     Keys whose hash is divisible by `modulus` (a power of two) are sampled; each shadow
-    is a key-only LRU cache of num_blocks / modulus entries, so it sees the pool's
+    is an LRU cache of key hashes of num_blocks / modulus entries, so it sees the pool's
     workload at the pool's scale. Hit counts are halved every 8 shadow-capacities of
     sampled uses, so the choice follows phases of the workload. O(1) per use.
+
+    `doorkeeper` is True while the doorkeeper's shadow hits more, by more than sampling
+    noise: hit counts are roughly Poisson, so the difference must exceed two standard
+    deviations (2 * sqrt(sum)) before the pool starts refusing keys. It is a plain
+    attribute, updated when the hit counts change, because the pool reads it at every
+    admission and eviction.
     """
 
-    __slots__ = ("shadow_blocks", "modulus", "_admit_all", "_door", "_uses", "_half_life")
+    __slots__ = (
+        "shadow_blocks",
+        "modulus",
+        "doorkeeper",
+        "_admit_all",
+        "_door",
+        "_uses",
+        "_half_life",
+    )
 
     def __init__(self, num_blocks: int, history_factor: float, shadow_blocks: int) -> None:
         if shadow_blocks < 1:
@@ -291,32 +324,28 @@ class AdmissionDuel:
         self._door = _ShadowCache(capacity, history_factor, doorkeeper=True)
         self._uses = 0
         self._half_life = 8 * capacity
+        self.doorkeeper = False
 
-    @property
-    def doorkeeper(self) -> bool:
-        """True when the doorkeeper's shadow hits more, by more than sampling noise.
+    def observe(self, key_hash: int) -> bool:
+        """Feeds a use of the key with this hash to the shadows if it is sampled.
 
-        Hit counts are roughly Poisson: the difference must exceed two standard
-        deviations (2 * sqrt(sum)) before the pool starts refusing keys.
+        Returns whether it is.
         """
-        door, admit_all = self._door.hits, self._admit_all.hits
-        return door - admit_all > 2.0 * math.sqrt(door + admit_all)
-
-    def observe(self, key: BlockKey) -> bool:
-        """Feeds a use of `key` to the shadows if it is sampled; returns whether it is."""
-        if hash(key) % self.modulus:
+        if key_hash & (self.modulus - 1):
             return False
-        self.use(key)
+        self.use(key_hash)
         return True
 
-    def use(self, key: BlockKey) -> None:
-        """Feeds a use of a key known to be sampled to both shadows."""
-        self._admit_all.use(key)
-        self._door.use(key)
+    def use(self, key_hash: int) -> None:
+        """Feeds a use of a key known to be sampled (by its hash) to both shadows."""
+        self._admit_all.use(key_hash)
+        self._door.use(key_hash)
         self._uses += 1
         if self._uses % self._half_life == 0:
             self._admit_all.hits /= 2
             self._door.hits /= 2
+        door, admit_all = self._door.hits, self._admit_all.hits
+        self.doorkeeper = door - admit_all > 2.0 * math.sqrt(door + admit_all)
 
 
 class _ShadowCache:
@@ -328,11 +357,11 @@ class _ShadowCache:
         self.capacity = capacity
         self.hits = 0.0
         self._doorkeeper = doorkeeper
-        self._held: OrderedDict[BlockKey, None] = OrderedDict()
-        self._history: OrderedDict[BlockKey, None] = OrderedDict()
+        self._held: OrderedDict[int, None] = OrderedDict()
+        self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(capacity * history_factor))
 
-    def use(self, key: BlockKey) -> None:
+    def use(self, key: int) -> None:
         held = self._held
         if key in held:
             held.move_to_end(key)
@@ -347,7 +376,7 @@ class _ShadowCache:
         if full:
             self._remember(held.popitem(last=False)[0])
 
-    def _remember(self, key: BlockKey) -> None:
+    def _remember(self, key: int) -> None:
         self._history[key] = None
         if len(self._history) > self._history_cap:
             self._history.popitem(last=False)
