@@ -156,12 +156,9 @@ class TritonBlockCopier:
     """
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer) -> None:
-        by_layout: dict[KVLayout, list[str]] = {}
-        for name in kv_caches:
-            by_layout.setdefault(host.layouts[name], []).append(name)
         self._groups = [
-            _LayoutGroup(layout, names, [kv_caches[n] for n in names], host)
-            for layout, names in by_layout.items()
+            _LayoutGroup(host.layouts[names[0]], names, [kv_caches[n] for n in names], host)
+            for names in host.layout_groups(kv_caches)
         ]
         self._where = {
             name: (group, i) for group in self._groups for i, name in enumerate(group.names)

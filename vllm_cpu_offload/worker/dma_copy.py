@@ -100,14 +100,12 @@ class DmaBlockCopier:
         self._device = next(iter(kv_caches.values())).device
         index = self._device.index if self._device.index is not None else 0
         max_pitch = runtime.max_pitch(index)
-        by_layout: dict[object, list[str]] = {}
-        for name in kv_caches:
-            by_layout.setdefault(host.layouts[name], []).append(name)
         self._groups = [
             _Group(names, [kv_caches[n] for n in names], host, max_pitch)
-            for names in by_layout.values()
+            for names in host.layout_groups(kv_caches)
         ]
-        self._where = {n: (g, i) for g in self._groups for i, n in enumerate(g.names)}
+        # layer name -> (its group's index, its row in the group's tables)
+        self._where = {n: (k, i) for k, g in enumerate(self._groups) for i, n in enumerate(g.names)}
         device = MemLocation(_LOCATION_DEVICE, index)
         on_host = MemLocation(_LOCATION_HOST, 0)
         order, flags = _ACCESS_ORDER_STREAM, _FLAG_PREFER_OVERLAP
@@ -145,8 +143,8 @@ class DmaBlockCopier:
         if layers is None:
             batches = [t.merged(to_host) for t in tables]
         for name in layers or ():
-            group, i = self._where[name]
-            t = tables[self._groups.index(group)]
+            k, i = self._where[name]
+            t = tables[k]
             dst, src = (t.host[i], t.device[i]) if to_host else (t.device[i], t.host[i])
             batches.append((dst, src, t.layer_sizes))
         count = sum(b[0].numel() for b in batches)

@@ -16,7 +16,7 @@ This module imports torch only.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -94,6 +94,13 @@ class HostBuffer:
     def block(self, host_block_id: int) -> torch.Tensor:
         """The bytes of one host block (a view)."""
         return self.tensor[host_block_id]
+
+    def layout_groups(self, names: Iterable[str]) -> list[list[str]]:
+        """`names` grouped by their layout, in first-seen order: a copier's launch groups."""
+        groups: dict[KVLayout, list[str]] = {}
+        for name in names:
+            groups.setdefault(self.layouts[name], []).append(name)
+        return list(groups.values())
 
     def layer_view(self, layer_name: str) -> torch.Tensor:
         """uint8 `[num_host_blocks, layer block bytes]` view of one layer's slots."""

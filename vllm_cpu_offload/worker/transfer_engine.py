@@ -448,7 +448,7 @@ def _stores_block_zero(
     Overwrites host block 0, which holds nothing yet.
     """
     name, t = next(iter(caches.items()))
-    where = "cpu" if getattr(copier, "ids_on_host", False) else t.device
+    where = "cpu" if _ids_on_host(copier) else t.device
     zero = torch.zeros(1, dtype=torch.int64, device=where)
     host.tensor[0].fill_(0)
     copier.copy(True, zero, zero, [name])
