@@ -16,9 +16,13 @@ best repetition, `vs memcpy` the median over repetitions of (memcpy time / metho
 Layouts: `lbhnc` (all layers in one buffer, per layer [B, H, N, 2D]: the CPU backend's)
 and, on CUDA, `flash` (one tensor per layer, [2, B, N, H, D]: FlashAttention's, K and V
 apart). `--run-sweep` (CUDA) times DMA and Triton copies against the run length.
+`--in-vllm-worker` (CPU) runs the same measurement inside a real vLLM CPU worker, under its
+OpenMP binding (the worker's initial thread is pinned to one core), which is where the
+connector's copies run.
 
 Usage: python benchmarks/transfer.py [--shapes llama3-8b small] [--layouts lbhnc flash]
            [--reps 7] [--threads N] [--sweep] [--run-sweep]   (sweeps: CUDA only)
+           [--in-vllm-worker]                                 (CPU only)
 """
 
 from __future__ import annotations
@@ -423,6 +427,52 @@ def queue_cost(
     return rows
 
 
+def measure_in_vllm_worker(args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """(machine, rows) of the CPU measurement run inside the worker of a real vLLM engine
+    (the package's tiny model, offloading on) through `collective_rpc`."""
+    # collective_rpc sends a function by pickle only with this set; it stays on loopback.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
+
+    llm = LLM(
+        str(ensure_tiny_llama()),
+        enforce_eager=True,
+        block_size=32,
+        num_gpu_blocks_override=64,
+        max_model_len=512,
+        enable_cpu_offload=True,
+        swap_space=0.05,
+    )
+    try:
+        (result,) = llm.collective_rpc(_measure_here, args=(vars(args),))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def _measure_here(worker: object, options: dict) -> tuple[dict, list[dict]]:
+    """Runs in the vLLM worker process: imports this file there by path."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import transfer
+
+    from vllm_cpu_offload.worker.copy_threads import copy_cores
+
+    args = argparse.Namespace(**options)
+    info = transfer.machine("cpu") | {
+        "in_vllm_worker": True,
+        "caller_cores": sorted(os.sched_getaffinity(0)),
+        "copy_cores": copy_cores(),
+    }
+    rows = []
+    for name in args.shapes:
+        for pattern in args.ids:
+            rows += transfer.bench_shape(transfer.SHAPES[name], args, "cpu", pattern, "lbhnc")
+    return info, rows
+
+
 def machine(device: str) -> dict:
     info = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -484,8 +534,29 @@ def main() -> None:
     parser.add_argument(
         "--layouts", nargs="+", default=None, choices=["lbhnc", "flash"], help="CUDA only"
     )
+    parser.add_argument(
+        "--in-vllm-worker", action="store_true", help="CPU: measure inside a vLLM worker"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.in_vllm_worker:
+        info, rows = measure_in_vllm_worker(args)
+        print(
+            f"in a vLLM worker: caller cores {info['caller_cores']}, copy cores "
+            f"{info['copy_cores']}, torch threads {info['torch_threads']}"
+        )
+        print_table(rows)
+        out = args.out or RESULTS / "transfer_cpu_vllm_worker.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps(
+                {"machine": info, "args": vars(args) | {"out": None}, "rows": rows},
+                indent=1,
+                default=str,
+            )
+        )
+        print(f"wrote {out}")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -169,10 +169,88 @@ def test_helpers_keep_the_torch_thread_count() -> None:
     assert torch.get_num_threads() == before
 
 
-def test_a_thread_pinned_to_one_core_gets_no_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
-    # vLLM's OpenMP binding pins the worker's main thread to one core; helpers would share it.
-    monkeypatch.setattr(copy_threads.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+def _clear_openmp_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_thread_pinned_to_one_core_without_a_binding_gets_no_helpers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Pinned to one core and no OpenMP pool to borrow from: helpers would share that core.
+    _clear_openmp_binding(monkeypatch)
+    monkeypatch.setattr(copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False)
     assert copy_threads.default_threads() == 1
+    assert copy_threads.helper_cores(2) == []
+
+
+def test_a_pinned_worker_thread_borrows_the_openmp_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's CPU worker: initial thread pinned to core 0, OpenMP threads bound to 0 and 1.
+    _clear_openmp_binding(monkeypatch)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", "0 1")
+    monkeypatch.setattr(copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False)
+    monkeypatch.setattr(copy_threads, "_process_cores", lambda: {0, 1})
+    monkeypatch.setattr(copy_threads.torch, "get_num_threads", lambda: 2)
+    assert copy_threads.copy_cores() == [0, 1]
+    assert copy_threads.default_threads() == 2
+    assert copy_threads.helper_cores(2) == [1]
+
+
+def test_a_binding_names_only_cores_this_process_runs_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An inherited binding list for other cores than this process's threads use adds nothing.
+    _clear_openmp_binding(monkeypatch)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", "4-7")
+    monkeypatch.setattr(copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False)
+    monkeypatch.setattr(copy_threads, "_process_cores", lambda: {0, 1})
+    assert copy_threads.copy_cores() == [0]
+    assert copy_threads.default_threads() == 1
+
+
+@pytest.mark.parametrize(
+    ("env", "cores"),
+    [
+        ({"GOMP_CPU_AFFINITY": "0 2-3"}, {0, 2, 3}),
+        ({"GOMP_CPU_AFFINITY": "1,5"}, {1, 5}),
+        ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5,8-9]"}, {4, 5, 8, 9}),
+        ({"OMP_PLACES": "{6,7}"}, {6, 7}),
+        ({"OMP_PLACES": "{0:4}"}, set()),  # lengths and strides: not read, no cores
+        ({"GOMP_CPU_AFFINITY": "0-3:2"}, set()),
+        ({}, set()),
+    ],
+)
+def test_openmp_binding_forms(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], cores: set[int]
+) -> None:
+    _clear_openmp_binding(monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert copy_threads._openmp_binding() == cores
+
+
+@pytest.mark.skipif(
+    not hasattr(copy_threads.os, "sched_setaffinity") or len(copy_threads._affinity(0)) < 2,
+    reason="needs two cores and thread affinity",
+)
+def test_helpers_run_on_their_own_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A thread pinned to one core (as vLLM pins its worker) starts helpers on the other
+    # bound cores, really pinned there by the OS.
+    first, second = sorted(copy_threads._affinity(0))[:2]
+    _clear_openmp_binding(monkeypatch)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", f"{first},{second}")
+    seen: dict[str, object] = {}
+
+    def pinned_caller() -> None:
+        copy_threads.os.sched_setaffinity(0, {first})
+        cores = copy_threads.helper_cores(2)
+        threads = copy_threads.CopyThreads(2, cores)
+        seen["cores"] = cores
+        seen["helper"] = threads._helpers.submit(copy_threads.os.sched_getaffinity, 0).result()
+        seen["caller"] = copy_threads.os.sched_getaffinity(0)
+
+    caller = threading.Thread(target=pinned_caller)
+    caller.start()
+    caller.join(HELPER_WAIT_S)
+    assert seen == {"cores": [second], "helper": {second}, "caller": {first}}
 
 
 def test_copies_ignore_a_replaced_set_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_cpu_offload.worker.copy_threads import CopyThreads, default_threads, set_threads
+from vllm_cpu_offload.worker.copy_threads import (
+    CopyThreads,
+    default_threads,
+    helper_cores,
+    set_threads,
+)
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 
@@ -155,7 +160,7 @@ class TorchBlockCopier:
         devices = {t.device.type for t in kv_caches.values()}
         self._on_cpu = devices == {"cpu"}
         count = (threads or default_threads()) if self._on_cpu else 1
-        self._threads = CopyThreads(count) if count > 1 else None
+        self._threads = CopyThreads(count, helper_cores(count)) if count > 1 else None
         stacks: list[_Stack] = []
         for name, t in kv_caches.items():
             layout, slot = host.layouts[name], host.slot_offsets[name]
