@@ -1,0 +1,132 @@
+"""Replays the conversation trace with an exclusive host tier: blocks stored when the device
+cache evicts them (write-back), not when computed (write-through, `trace_replay.py`).
+
+A write-through host tier holds copies of the blocks the device cache still holds, so about
+`--gpu-blocks` of its capacity serve nothing. Storing on device eviction makes the two tiers
+exclusive. This measures what that is worth for our pool's policies, and checks the replay's
+Belady limit against one that counts only the uses the device cache misses.
+
+Model: as in `trace_replay.py`, except that the host tier is offered, after each request,
+the blocks the device cache evicted while taking that request's blocks, ancestors first,
+grouped into runs of one chain. Host hits are loaded and kept. `--chain-links` passes each
+run's parent key, so that `prefix_aware` sees the chains (descendants reach the host before
+their ancestors: the device cache evicts chain tails first).
+
+Usage: python benchmarks/store_on_eviction.py [--host-blocks C ...] [--chain-links]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trace_replay import NEVER, BeladyTier, load_trace  # noqa: E402
+
+from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
+from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
+
+
+def device_cache(trace: list[list[int]], capacity: int) -> tuple[list[int], list[list[int]]]:
+    """Per request: the device hit, and the keys the LRU device cache evicted for it."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    hits, evicted = [], []
+    for keys in trace:
+        n = 0
+        while n < len(keys) and keys[n] in lru:
+            n += 1
+        hits.append(n)
+        for key in reversed(keys):
+            lru[key] = None
+            lru.move_to_end(key)
+        out = []
+        while len(lru) > capacity:
+            out.append(lru.popitem(last=False)[0])
+        evicted.append(out)
+    return hits, evicted
+
+
+def replay_on_eviction(
+    trace: list[list[int]],
+    hits: list[int],
+    evicted: list[list[int]],
+    policy: str,
+    capacity: int,
+    parents: dict[int, int | None] | None,
+) -> int:
+    pool = HostBlockPool(capacity, make_policy(policy, capacity), record_events=False)
+    parent_of = parents or {}
+    chain: dict[int, int | None] = {}
+    for keys in trace:
+        prev = None
+        for key in keys:
+            chain.setdefault(key, prev)
+            prev = key
+    host_hits = 0
+    for i, keys in enumerate(trace):
+        after = keys[hits[i] :]
+        h = pool.count_hits(after)
+        if h:
+            pool.pin(after[:h])
+            pool.unpin(after[:h])
+        host_hits += h
+        runs: list[list[int]] = []
+        for key in reversed(evicted[i]):  # ancestors first
+            if runs and chain[key] == runs[-1][-1]:
+                runs[-1].append(key)
+            else:
+                runs.append([key])
+        for run in runs:
+            held = [key for key in run if key in pool]
+            if held:
+                pool.touch(held)
+            allocated = pool.allocate_for_store(run, parent_of.get(run[0]))
+            pool.complete_store([key for key, _ in allocated], True)
+    return host_hits
+
+
+def device_miss_uses(trace: list[list[int]], hits: list[int]) -> list[list[int]]:
+    """next_use[i][j]: the next request after i that needs trace[i][j] past its device hit."""
+    upcoming: dict[int, int] = {}
+    out: list[list[int]] = [[]] * len(trace)
+    for i in range(len(trace) - 1, -1, -1):
+        out[i] = [upcoming.get(key, NEVER) for key in trace[i]]
+        for depth, key in enumerate(trace[i]):
+            if depth >= hits[i]:
+                upcoming[key] = i
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-blocks", type=int, default=1000)
+    parser.add_argument("--host-blocks", type=int, nargs="+", default=[1000, 2000, 3000, 4000])
+    parser.add_argument("--chain-links", action="store_true")
+    args = parser.parse_args()
+    trace = load_trace(None)
+    hits, evicted = device_cache(trace, args.gpu_blocks)
+    parents = None
+    if args.chain_links:
+        parents = {}
+        for keys in trace:
+            for prev, key in zip([None, *keys], keys, strict=False):
+                parents.setdefault(key, prev)
+    misses = device_miss_uses(trace, hits)
+    print(f"device hits {sum(hits)}; host hits of each host tier:")
+    print(f"{'host C':>7} {'lru':>7} {'prefix_aware':>13} {'belady, device misses only':>27}")
+    for capacity in args.host_blocks:
+        row = [
+            replay_on_eviction(trace, hits, evicted, p, capacity, parents)
+            for p in ("lru", "prefix_aware")
+        ]
+        belady = BeladyTier(capacity, misses)
+        row.append(sum(belady.serve(i, keys, hits[i]) for i, keys in enumerate(trace)))
+        print(f"{capacity:>7} {row[0]:>7} {row[1]:>13} {row[2]:>27}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
