@@ -265,3 +265,17 @@ def test_copies_ignore_a_replaced_set_num_threads(monkeypatch: pytest.MonkeyPatc
     TorchBlockCopier(caches, host, threads=2).copy(True, list(range(20)), list(range(20)))
     for name, t in caches.items():
         assert torch.equal(host.layer_view(name)[19], _device_block(t, 19))
+
+
+def test_a_core_that_cannot_be_taken_leaves_the_helper_on_the_callers_mask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The binding names a core this thread may not use: the helper starts anyway and copies.
+    def refuse(tid: int, cores: object) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(copy_threads.os, "sched_setaffinity", refuse, raising=False)
+    threads = copy_threads.CopyThreads(2, [12345])
+    done: list[int] = []
+    threads.run([1, 2, 3, 4], done.append)
+    assert sorted(done) == [1, 2, 3, 4]

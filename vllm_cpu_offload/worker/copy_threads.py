@@ -12,6 +12,7 @@ Imports torch and the standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -131,7 +132,10 @@ class CopyThreads:
             with claim:
                 core = unclaimed.pop() if unclaimed else None
             if core is not None:
-                os.sched_setaffinity(0, {core})  # this thread only
+                # A failed initializer would break the pool and leave the start-up
+                # barrier waiting: a core taken away since is only a slower copy.
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(0, {core})  # this thread only
 
         self._helpers = ThreadPoolExecutor(
             threads - 1, thread_name_prefix="kv-copy", initializer=start_helper
