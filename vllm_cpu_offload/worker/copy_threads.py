@@ -45,10 +45,10 @@ def copy_cores() -> list[int]:
     vLLM's CPU worker binds its OpenMP threads one to a core (`GOMP_CPU_AFFINITY`,
     `KMP_AFFINITY` or `OMP_PLACES`, set before the worker starts) and that pins the initial
     thread, which runs the connector, to the first of them. Between forward passes the pool
-    idles, so its cores are the ones a copy can borrow: measured inside a vLLM worker on 2
-    cores, a helper on the pool's second core took scattered copies from 51-67% of a plain
-    memcpy to 81-84%. Cores are kept only where some thread of this process may run, so a
-    binding list from another process's environment adds none.
+    idles, so its cores are the ones a copy can borrow (measured inside a vLLM worker in
+    docs/transfer.md: about 30% more GB/s for scattered 8B blocks). Cores are kept only
+    where some thread of this process may run, so a binding list from another process's
+    environment adds none.
     """
     own = _affinity(0)
     if len(own) != 1:
@@ -60,11 +60,8 @@ def copy_cores() -> list[int]:
 def helper_cores(threads: int) -> list[int]:
     """One core for each of `threads - 1` helpers, none of them the caller's, when the caller
     is pinned to one core; empty (helpers inherit the caller's mask) otherwise."""
-    own = _affinity(0)
-    if len(own) != 1:
-        return []
-    others = [core for core in copy_cores() if core not in own]
-    return others[: threads - 1]
+    own = _affinity(0)  # several cores: `copy_cores` is exactly these, so no helper core
+    return [core for core in copy_cores() if core not in own][: threads - 1]
 
 
 def _affinity(tid: int) -> set[int]:
@@ -123,8 +120,7 @@ class CopyThreads:
         caller's mask."""
         assert threads >= 2, "one thread needs no helpers"
         self.threads = threads
-        self.cores = list(cores)
-        unclaimed = list(self.cores)
+        unclaimed = list(cores)
         claim = threading.Lock()
 
         def start_helper() -> None:
