@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import OrderedDict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trace_replay import NEVER, BeladyTier, load_trace  # noqa: E402
+from trace_replay import BeladyTier, GpuPrefixCache, load_trace, next_uses  # noqa: E402
 
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
 from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
@@ -33,39 +32,33 @@ from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
 
 def device_cache(trace: list[list[int]], capacity: int) -> tuple[list[int], list[list[int]]]:
     """Per request: the device hit, and the keys the LRU device cache evicted for it."""
-    lru: OrderedDict[int, None] = OrderedDict()
+    gpu = GpuPrefixCache(capacity)
     hits, evicted = [], []
     for keys in trace:
-        n = 0
-        while n < len(keys) and keys[n] in lru:
-            n += 1
-        hits.append(n)
-        for key in reversed(keys):
-            lru[key] = None
-            lru.move_to_end(key)
-        out = []
-        while len(lru) > capacity:
-            out.append(lru.popitem(last=False)[0])
-        evicted.append(out)
+        hits.append(gpu.hit(keys))
+        evicted.append(gpu.finish(keys))
     return hits, evicted
+
+
+def chain_parents(trace: list[list[int]]) -> dict[int, int | None]:
+    """Each key's predecessor in the first request that holds it (None at a chain root)."""
+    parents: dict[int, int | None] = {}
+    for keys in trace:
+        for prev, key in zip([None, *keys], keys, strict=False):
+            parents.setdefault(key, prev)
+    return parents
 
 
 def replay_on_eviction(
     trace: list[list[int]],
     hits: list[int],
     evicted: list[list[int]],
+    parents: dict[int, int | None],
     policy: str,
     capacity: int,
-    parents: dict[int, int | None] | None,
+    chain_links: bool,
 ) -> int:
     pool = HostBlockPool(capacity, make_policy(policy, capacity), record_events=False)
-    parent_of = parents or {}
-    chain: dict[int, int | None] = {}
-    for keys in trace:
-        prev = None
-        for key in keys:
-            chain.setdefault(key, prev)
-            prev = key
     host_hits = 0
     for i, keys in enumerate(trace):
         after = keys[hits[i] :]
@@ -76,7 +69,7 @@ def replay_on_eviction(
         host_hits += h
         runs: list[list[int]] = []
         for key in reversed(evicted[i]):  # ancestors first
-            if runs and chain[key] == runs[-1][-1]:
+            if runs and parents[key] == runs[-1][-1]:
                 runs[-1].append(key)
             else:
                 runs.append([key])
@@ -84,21 +77,9 @@ def replay_on_eviction(
             held = [key for key in run if key in pool]
             if held:
                 pool.touch(held)
-            allocated = pool.allocate_for_store(run, parent_of.get(run[0]))
+            allocated = pool.allocate_for_store(run, parents[run[0]] if chain_links else None)
             pool.complete_store([key for key, _ in allocated], True)
     return host_hits
-
-
-def device_miss_uses(trace: list[list[int]], hits: list[int]) -> list[list[int]]:
-    """next_use[i][j]: the next request after i that needs trace[i][j] past its device hit."""
-    upcoming: dict[int, int] = {}
-    out: list[list[int]] = [[]] * len(trace)
-    for i in range(len(trace) - 1, -1, -1):
-        out[i] = [upcoming.get(key, NEVER) for key in trace[i]]
-        for depth, key in enumerate(trace[i]):
-            if depth >= hits[i]:
-                upcoming[key] = i
-    return out
 
 
 def main() -> None:
@@ -109,18 +90,13 @@ def main() -> None:
     args = parser.parse_args()
     trace = load_trace(None)
     hits, evicted = device_cache(trace, args.gpu_blocks)
-    parents = None
-    if args.chain_links:
-        parents = {}
-        for keys in trace:
-            for prev, key in zip([None, *keys], keys, strict=False):
-                parents.setdefault(key, prev)
-    misses = device_miss_uses(trace, hits)
+    parents = chain_parents(trace)
+    misses = next_uses(trace, hits)
     print(f"device hits {sum(hits)}; host hits of each host tier:")
     print(f"{'host C':>7} {'lru':>7} {'prefix_aware':>13} {'belady, device misses only':>27}")
     for capacity in args.host_blocks:
         row = [
-            replay_on_eviction(trace, hits, evicted, p, capacity, parents)
+            replay_on_eviction(trace, hits, evicted, parents, p, capacity, args.chain_links)
             for p in ("lru", "prefix_aware")
         ]
         belady = BeladyTier(capacity, misses)

@@ -72,15 +72,18 @@ class GpuPrefixCache:
             n += 1
         return n
 
-    def finish(self, keys: Sequence[int]) -> None:
+    def finish(self, keys: Sequence[int]) -> list[int]:
+        """Makes `keys` the most recent; returns the keys evicted for them, oldest first."""
         lru = self._lru
         for key in reversed(keys):
             if key in lru:
                 lru.move_to_end(key)
             else:
                 lru[key] = None
+        evicted = []
         while len(lru) > self.capacity:
-            lru.popitem(last=False)
+            evicted.append(lru.popitem(last=False)[0])
+        return evicted
 
 
 class OurTier:
@@ -220,13 +223,15 @@ def load_trace(limit: int | None) -> list[list[int]]:
     return [r["hash_ids"][: r["input_length"] // BLOCK_TOKENS] for r in requests]
 
 
-def next_uses(trace: list[list[int]]) -> list[list[int]]:
-    """next_use[i][j]: index of the next request after i that holds trace[i][j]."""
+def next_uses(trace: list[list[int]], device_hits: Sequence[int] | None = None) -> list[list[int]]:
+    """next_use[i][j]: index of the next request after i that holds trace[i][j]; with
+    `device_hits`, only requests that hold it past their device hit count."""
     upcoming: dict[int, int] = {}
     out: list[list[int]] = [[]] * len(trace)
     for i in range(len(trace) - 1, -1, -1):
         out[i] = [upcoming.get(key, NEVER) for key in trace[i]]
-        for key in trace[i]:
+        first = device_hits[i] if device_hits is not None else 0
+        for key in trace[i][first:]:
             upcoming[key] = i
     return out
 

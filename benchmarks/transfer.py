@@ -546,16 +546,8 @@ def main() -> None:
             f"{info['copy_cores']}, torch threads {info['torch_threads']}"
         )
         print_table(rows)
-        out = args.out or RESULTS / "transfer_cpu_vllm_worker.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {"machine": info, "args": vars(args) | {"out": None}, "rows": rows},
-                indent=1,
-                default=str,
-            )
-        )
-        print(f"wrote {out}")
+        in_worker = {"machine": info, "args": vars(args) | {"out": None}, "rows": rows}
+        write_result(in_worker, args.out or RESULTS / "transfer_cpu_vllm_worker.json")
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -573,7 +565,10 @@ def main() -> None:
                 rows += bench_shape(SHAPES[name], args, device, pattern, layout)
     result["rows"] = rows
     print_table(rows)
-    out = args.out or RESULTS / f"transfer_{device}.json"
+    write_result(result, args.out or RESULTS / f"transfer_{device}.json")
+
+
+def write_result(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {out}")
