@@ -4,6 +4,8 @@ For each cache shape, copies a batch of randomly scattered blocks (every layer) 
   ours       TransferEngine.copy_blocks with its default copier (CPU: stacked torch views)
   dma        CUDA: the copy engines, one cudaMemcpyBatchAsync per launch (dma_copy.py)
   triton     CUDA: the Triton kernels (copy_kernels.py)
+  staged-*   CUDA: whole blocks through device staging (staged_copy.py), gathered on the
+             copy engines (staged-dma) or the kernels (staged-kernel)
   loop       a per-block, per-layer torch copy loop (the naive way)
   memcpy     one plain copy of the same bytes between two contiguous tensors (the limit;
              on CUDA pinned host <-> device, i.e. the DMA engine at PCIe speed)
@@ -22,6 +24,7 @@ connector's copies run.
 
 Usage: python benchmarks/transfer.py [--shapes llama3-8b small] [--layouts lbhnc flash]
            [--reps 7] [--threads N] [--sweep] [--run-sweep]   (sweeps: CUDA only)
+           [--staged-chunks 8 16]                             (CUDA only)
            [--in-vllm-worker]                                 (CPU only)
 """
 
@@ -111,19 +114,27 @@ class Timer:
 
 
 def copiers(
-    caches: dict[str, torch.Tensor], host: HostBuffer, device: str
+    caches: dict[str, torch.Tensor], host: HostBuffer, device: str, staged_chunks: list[int]
 ) -> dict[str, TransferEngine]:
     """The copy methods of this machine, each behind its own transfer engine."""
     if device != "cuda":
         return {"ours": TransferEngine(caches, host)}
     from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
     from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
+    from vllm_cpu_offload.worker.staged_copy import GATHERS, StagedBlockCopier
 
     made: dict[str, BlockCopier] = {"triton": TritonBlockCopier(caches, host)}
     try:
         made["dma"] = DmaBlockCopier(caches, host)
     except RuntimeError as e:
         print(f"no DMA copies: {e}")
+    for chunk in staged_chunks:
+        for gather in GATHERS:
+            name = f"staged-{gather}" + (f"-{chunk}" if len(staged_chunks) > 1 else "")
+            try:
+                made[name] = StagedBlockCopier(caches, host, chunk_blocks=chunk, gather=gather)
+            except RuntimeError as e:
+                print(f"no {name} copies: {e}")
     return {name: TransferEngine(caches, host, copier=c) for name, c in made.items()}
 
 
@@ -133,7 +144,7 @@ def bench_shape(
     caches = make_caches(shape, args.device_blocks, device, layout)
     host = HostBuffer.for_kv_caches(caches, args.host_blocks)
     host.tensor.fill_(2)
-    engines = copiers(caches, host, device)
+    engines = copiers(caches, host, device, args.staged_chunks)
     n = min(args.batch, args.device_blocks, args.host_blocks)
     gen = torch.Generator().manual_seed(0)
     if pattern == "scattered":  # every block on its own: the worst case
@@ -414,15 +425,25 @@ def queue_cost(
             per_layer = (time.perf_counter() - start) / len(names)
             torch.cuda.synchronize()
             start = time.perf_counter()
+            copier.copy(False, dd, hh)
+            load = time.perf_counter() - start
+            torch.cuda.synchronize()
+            start = time.perf_counter()
             copier.copy(True, dd, hh)
             store = time.perf_counter() - start
         torch.cuda.synchronize()
         rows.append(
-            {"method": name, "queue_us_per_layer": per_layer * 1e6, "queue_us_store": store * 1e6}
+            {
+                "method": name,
+                "queue_us_per_layer": per_layer * 1e6,
+                "queue_us_load": load * 1e6,
+                "queue_us_store": store * 1e6,
+            }
         )
         print(
             f"host time to queue {n} blocks, {name}: one layer's load {per_layer * 1e6:.0f} us, "
-            f"a store of every layer {store * 1e6:.0f} us"
+            f"a load of every layer {load * 1e6:.0f} us, a store of every layer "
+            f"{store * 1e6:.0f} us"
         )
     return rows
 
@@ -536,6 +557,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--in-vllm-worker", action="store_true", help="CPU: measure inside a vLLM worker"
+    )
+    parser.add_argument(
+        "--staged-chunks",
+        nargs="+",
+        type=int,
+        default=[8],
+        help="CUDA: blocks per chunk of the staged copiers (one copier pair per value)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -42,7 +42,7 @@ def test_merge_joins_runs_that_continue_on_both_sides():
     # Runs 0-1 continue each other on both sides, 2 jumps on the host side, 3 continues 2.
     device = torch.tensor([100, 110, 120, 130])
     host = torch.tensor([0, 10, 50, 60])
-    dsts, srcs, sizes = dma_copy._merge(device, host, 10)
+    dsts, srcs, sizes = dma_copy.merge_runs(device, host, 10)
     assert dsts.tolist() == [100, 120]
     assert srcs.tolist() == [0, 50]
     assert sizes.tolist() == [20, 20]

@@ -202,15 +202,18 @@ def _cuda_copier(kind: str, caches: dict[str, torch.Tensor], host: HostBuffer) -
         return TritonBlockCopier(caches, host)
     from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
     from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
+    from vllm_cpu_offload.worker.staged_copy import StagedBlockCopier
 
     if not cuda_runtime().available:
         pytest.skip(cuda_runtime().why_unavailable)
+    if kind == "staged":
+        return StagedBlockCopier(caches, host, chunk_blocks=1)
     return DmaBlockCopier(caches, host)
 
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("kind", ["triton", "dma"])
+@pytest.mark.parametrize("kind", ["triton", "dma", "staged"])
 def test_cuda_step_loads_layer_by_layer_and_stores_async(kind: str) -> None:
     # One step on streams: loads land before compute reads them; stores finish later.
     caches = _caches("cuda")
@@ -264,6 +267,13 @@ def test_cuda_backend_choice() -> None:
     assert isinstance(triton._store_copier, TritonBlockCopier)
     forced = TransferEngine(caches, host, backend="dma")
     assert isinstance(forced._copier, dma) and isinstance(forced._store_copier, dma)
+    assert forced._copier is not forced._store_copier  # loads never queue behind stores
+    if cuda_runtime().available:
+        from vllm_cpu_offload.worker.staged_copy import StagedBlockCopier
+
+        staged = TransferEngine(caches, host, backend="staged")
+        assert isinstance(staged._copier, StagedBlockCopier)
+        assert staged._store_copier is staged._copier
     # 64 KiB per layer-block (8 heads x 16 tokens x 256 bf16 values).
     raw = torch.randn(2, 4, 8, 16, 256, device="cuda").to(torch.bfloat16)
     big = {f"layer.{i}": raw[i] for i in range(2)}

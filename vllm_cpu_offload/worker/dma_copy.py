@@ -70,6 +70,18 @@ class _Group:
         self.first_host = host.tensor.data_ptr() + slots[0]
 
 
+def copy_attributes(device: int, *, buffer_on_device: bool = False) -> dict[bool, MemcpyAttributes]:
+    """Batch attributes by direction (True: caches to buffer) for copies between the caches
+    on `device` and a pinned host buffer, or a staging buffer on the same device."""
+    caches = MemLocation(_LOCATION_DEVICE, device)
+    buffer = caches if buffer_on_device else MemLocation(_LOCATION_HOST, 0)
+    order, flags = _ACCESS_ORDER_STREAM, _FLAG_PREFER_OVERLAP
+    return {
+        True: MemcpyAttributes(order, caches, buffer, flags),
+        False: MemcpyAttributes(order, buffer, caches, flags),
+    }
+
+
 def _step(values: list[int]) -> int:
     """The fixed positive distance between consecutive values, or 0 if there is none."""
     if len(values) < 2:
@@ -94,7 +106,7 @@ class DmaBlockCopier:
         runtime = cuda_runtime()
         if not runtime.available:
             raise RuntimeError(runtime.why_unavailable)
-        if not host.pinned:
+        if not host.pinned and not host.tensor.is_cuda:
             raise RuntimeError("DMA block copies need a pinned host buffer")
         self._runtime = runtime
         self._device = next(iter(kv_caches.values())).device
@@ -106,13 +118,7 @@ class DmaBlockCopier:
         ]
         # layer name -> (its group's index, its row in the group's tables)
         self._where = {n: (k, i) for k, g in enumerate(self._groups) for i, n in enumerate(g.names)}
-        device = MemLocation(_LOCATION_DEVICE, index)
-        on_host = MemLocation(_LOCATION_HOST, 0)
-        order, flags = _ACCESS_ORDER_STREAM, _FLAG_PREFER_OVERLAP
-        self._attrs = {
-            True: MemcpyAttributes(order, device, on_host, flags),
-            False: MemcpyAttributes(order, on_host, device, flags),
-        }
+        self._attrs = copy_attributes(index, buffer_on_device=host.tensor.is_cuda)
         # Tables of the latest batches (a step's loads and stores): per-layer calls reuse them.
         self._cached: list[tuple[torch.Tensor, torch.Tensor, list[_Tables]]] = []
         # The runtime refuses batches on the legacy default stream; these never are.
@@ -234,15 +240,16 @@ class _Tables:
             # Pair-major order, so that a block's layers merge where memory allows.
             device = self._device.permute(1, 0, 2).reshape(-1)
             host = self._host.permute(1, 0, 2).reshape(-1)
-            self._merged = _merge(device, host, self.chunk_bytes)
+            self._merged = merge_runs(device, host, self.chunk_bytes)
         device, host, sizes = self._merged
         return (host, device, sizes) if to_host else (device, host, sizes)
 
 
-def _merge(
+def merge_runs(
     device: torch.Tensor, host: torch.Tensor, chunk_bytes: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Joins runs that continue the previous run on both sides. O(runs), vectorized."""
+    """(device, host, sizes): runs of `chunk_bytes` at these addresses, each joined to the
+    previous one where it continues it on both sides. O(runs), vectorized."""
     if device.numel() <= 1:
         return device, host, torch.full_like(device, chunk_bytes)
     joins = (device[1:] == device[:-1] + chunk_bytes) & (host[1:] == host[:-1] + chunk_bytes)

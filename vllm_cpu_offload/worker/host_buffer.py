@@ -10,6 +10,8 @@ Pinned (page-locked and mapped) when CUDA is available, so device kernels read a
 directly; plain memory on the CPU platform. Pinning registers an ordinary allocation with
 `cudaHostRegister` instead of asking torch for pinned memory: torch's pinned allocator rounds
 every request up to a power of two, so a 40 GiB `--swap-space` would lock 64 GiB.
+The same layout can live in device memory (`device=`): a few blocks of staging for copies
+that move whole blocks over PCIe (`staged_copy.py`).
 This module imports torch only.
 """
 
@@ -49,7 +51,12 @@ class HostBuffer:
     """
 
     def __init__(
-        self, layouts: Mapping[str, KVLayout], num_host_blocks: int, *, pin: bool | None = None
+        self,
+        layouts: Mapping[str, KVLayout],
+        num_host_blocks: int,
+        *,
+        pin: bool | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks must be >= 1, got {num_host_blocks}")
@@ -63,8 +70,9 @@ class HostBuffer:
             offset += _align(layout.block_bytes)
         self.block_bytes = offset
         self.num_host_blocks = num_host_blocks
-        self.pinned = torch.cuda.is_available() if pin is None else pin
-        self.tensor = _allocate(num_host_blocks, self.block_bytes)
+        on_device = device is not None and device.type != "cpu"
+        self.pinned = not on_device and (torch.cuda.is_available() if pin is None else pin)
+        self.tensor = _allocate(num_host_blocks, self.block_bytes, device)
         if self.pinned:
             _pin(self.tensor)
             # Unpinned when this buffer goes away, while its tensor is still alive.
@@ -108,7 +116,9 @@ class HostBuffer:
         return self.tensor[:, start : start + self.layouts[layer_name].block_bytes]
 
 
-def _allocate(num_blocks: int, block_bytes: int) -> torch.Tensor:
+def _allocate(num_blocks: int, block_bytes: int, device: torch.device | None) -> torch.Tensor:
+    if device is not None and device.type != "cpu":  # a staging buffer: not --swap-space
+        return torch.empty((num_blocks, block_bytes), dtype=torch.uint8, device=device)
     try:
         return torch.empty((num_blocks, block_bytes), dtype=torch.uint8)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError

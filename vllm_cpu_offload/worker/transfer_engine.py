@@ -115,7 +115,9 @@ class TransferEngine:
         host_buffer: built for the same caches (`HostBuffer.for_kv_caches`).
         copier: the block copier for loads and stores; by default chosen by `backend`.
         store_copier: a different copier for stores, if any.
-        backend: on CUDA, "triton" (kernels both ways), "dma" (copy engines both ways) or
+        backend: on CUDA, "triton" (kernels both ways), "dma" (copy engines both ways),
+            "staged" (whole blocks through device staging, `staged_copy.py`; loads of every
+            layer in one call, so a layer's wait covers the whole load) or
             "auto": loads on the kernels (one cheap launch per layer, inside the step), stores
             on the copy engines where every run is at least `DMA_MIN_RUN_BYTES` (they leave
             the forward's SMs alone), else on the kernels. Torch views on CPU.
@@ -189,6 +191,12 @@ class TransferEngine:
         with torch.cuda.stream(self._load_stream):
             # Blocks handed to these loads may still be read by earlier compute work.
             self._load_stream.wait_stream(compute)
+            if getattr(self._copier, "whole_block_loads", False):
+                # One call for every layer; each layer's event then marks the whole load.
+                if self._launch(self._copier, False, batch, None):
+                    for name in self._layers:
+                        self._load_events[name].record(self._load_stream)
+                return
             for name in self._layers:
                 if not self._launch(self._copier, False, batch, [name]):
                     break
@@ -399,11 +407,17 @@ def _default_copiers(
     if device.type != "cuda":
         copier = TorchBlockCopier(caches, host)
         return copier, copier
+    if backend == "staged":
+        staged = _checked(caches, host, [("staged", lambda: _staged_copier(caches, host))])
+        if staged is not None:
+            return staged, staged
     shortest_run = min(host.layouts[n].chunk_bytes for n in caches)
     dma_stores = backend == "dma" or (backend == "auto" and shortest_run >= DMA_MIN_RUN_BYTES)
     loads = _cuda_copier(caches, host, dma=backend == "dma")
-    if not dma_stores or _ids_on_host(loads):
+    if not dma_stores:
         return loads, loads
+    # A copier of its own even when both are DMA: a DMA copier forks over its own streams,
+    # and a load queued there would wait behind the stores queued before it.
     return loads, _cuda_copier(caches, host, dma=True)
 
 
@@ -413,6 +427,19 @@ def _cuda_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer, *, dma: b
     if dma:
         candidates.append(("DMA", lambda: _dma_copier(caches, host)))
     candidates.append(("Triton", lambda: _triton_copier(caches, host)))
+    copier = _checked(caches, host, candidates)
+    if copier is not None:
+        return copier
+    logger.warning("KV offload copies fall back to torch copies (slower, still correct)")
+    return TorchBlockCopier(caches, host)
+
+
+def _checked(
+    caches: Mapping[str, torch.Tensor],
+    host: HostBuffer,
+    candidates: Sequence[tuple[str, Callable[[], BlockCopier]]],
+) -> BlockCopier | None:
+    """The first candidate that can be made and passes the start-up check, if any."""
     for name, make in candidates:
         try:
             copier = make()
@@ -422,14 +449,22 @@ def _cuda_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer, *, dma: b
             logger.warning("%s block copies failed their start-up check", name)
         except Exception as e:
             logger.info("%s block copies are unavailable: %s", name, e)
-    logger.warning("KV offload copies fall back to torch copies (slower, still correct)")
-    return TorchBlockCopier(caches, host)
+    return None
 
 
 def _dma_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
     from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
 
     return DmaBlockCopier(caches, host)
+
+
+def _staged_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
+    from vllm_cpu_offload.worker.staged_copy import StagedBlockCopier
+
+    try:
+        return StagedBlockCopier(caches, host, gather="dma")
+    except RuntimeError:  # no layer-compact layout: gather with the kernels
+        return StagedBlockCopier(caches, host, gather="kernel")
 
 
 def _triton_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
@@ -445,13 +480,13 @@ def _stores_block_zero(
 
     Kernels address pinned host memory through its host pointer, which needs a GPU and
     platform with unified addressing; this catches one without it before any real job.
-    Overwrites host block 0, which holds nothing yet.
+    Copies every layer, the way stores go. Overwrites host block 0, which holds nothing yet.
     """
     name, t = next(iter(caches.items()))
     where = "cpu" if _ids_on_host(copier) else t.device
     zero = torch.zeros(1, dtype=torch.int64, device=where)
     host.tensor[0].fill_(0)
-    copier.copy(True, zero, zero, [name])
+    copier.copy(True, zero, zero, None)
     torch.cuda.synchronize(t.device)
     expected = host.layouts[name].block_view(t, 0).cpu().reshape(-1)
     return torch.equal(host.layer_view(name)[0], expected)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On a CUDA machine (vLLM not needed): the transfer tests, then the transfer benchmark with
+# every copier, staged ones at several chunk sizes. Logs and JSON go to $OUT (or
+# benchmarks/results). One run of this is the whole GPU check of the transfer engine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv \
+    | tee "$out/gpu.txt"
+"$PY" -m pytest -q -p no:cacheprovider tests/kernels tests/unit/test_transfer_engine.py \
+    tests/unit/test_host_buffer.py tests/unit/test_kv_layout.py 2>&1 | tee "$out/gpu_tests.log"
+"$PY" benchmarks/transfer.py --reps 9 --ids scattered --layouts lbhnc \
+    --staged-chunks 4 8 16 --out "$out/transfer_gpu_staged.json" 2>&1 | tee "$out/gpu_transfer.log"

@@ -1,0 +1,240 @@
+"""Whole-block copies through a few blocks of staging in device memory.
+
+What a copy-engine transfer costs beyond its bytes is paid per contiguous run: over 8
+streams an H100 moves 64 KiB runs at 87-88% of a plain pinned memcpy and 128 KiB runs at
+95% (`benchmarks/transfer.py --run-sweep`, docs/transfer.md). A block of a layer-compact
+layout is one 32-64 KiB run per layer on the device but one contiguous range, all layers,
+in the host buffer. Staging hands the PCIe hop whole blocks:
+
+    store: caches --gather, device to device--> staging slot --one DMA per block--> host
+    load:  host --one DMA per block--> staging slot --scatter, device to device--> caches
+
+The device-to-device hop is an inner copier (the pitched copy-engine path of `dma_copy`,
+or the Triton kernels) pointed at a staging `HostBuffer` in device memory; it moves the
+same bytes at HBM speed, a small share of the PCIe hop's time. A batch goes in chunks of
+`chunk_blocks`, alternating between two halves of each direction's staging, so one chunk's
+device hop runs beside the previous chunk's PCIe hop. One event per half marks its last
+use; whatever refills the half waits for it, so calls from any streams never overwrite a
+chunk still in flight. Loads and stores each have a lane of their own (staging halves,
+streams, device-hop copier), so a load never queues behind a store, or the reverse.
+
+Only whole-block calls (`layers is None`) are staged; a call for some layers goes to the
+direct copier. Device memory: `4 * chunk_blocks` blocks of staging (two lanes of two halves).
+
+On the CPU platform there is nothing to gain, but the same class runs there (torch copies
+for the device hop, `memmove` for the other), which is how its addressing is tested
+without a GPU. Imports torch only (triton through the kernel copier, when chosen).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_cpu_offload.worker.cpu_copy import TorchBlockCopier
+from vllm_cpu_offload.worker.host_buffer import HostBuffer
+
+if TYPE_CHECKING:
+    from vllm_cpu_offload.worker.transfer_engine import BlockCopier
+
+# Blocks per chunk: 16 MiB of the 8B shape per PCIe hop, enough to fill the hop streams.
+CHUNK_BLOCKS = 8
+HOP_STREAMS = 4
+GATHERS = ("dma", "kernel")
+
+
+class _Lane:
+    """One direction's staging halves, streams and device-hop copier."""
+
+    def __init__(self, inner: BlockCopier, slots: torch.Tensor, device: torch.device) -> None:
+        self.inner = inner
+        self.slots = slots  # [2, chunk_blocks]: the slots of each half
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.gather_stream = torch.cuda.Stream(device)
+            self.hop_streams = [torch.cuda.Stream(device) for _ in range(HOP_STREAMS)]
+            self.last_use = [torch.cuda.Event(), torch.cuda.Event()]
+
+    @contextmanager
+    def forked(self, device: torch.device) -> Iterator[None]:
+        """The lane's streams start after, and end before, the current stream's later work."""
+        if not self.cuda:
+            yield
+            return
+        streams = [self.gather_stream, *self.hop_streams]
+        current = torch.cuda.current_stream(device)
+        for stream in streams:
+            stream.wait_stream(current)
+        try:
+            yield
+        finally:  # a failed call still must not leave copies behind the caller's later work
+            for stream in streams:
+                current.wait_stream(stream)
+
+
+class StagedBlockCopier:
+    """Copies whole blocks between the device KV caches and `host` through device staging.
+
+    Block ids are int64 tensors on the host (`ids_on_host`). Launches go to the current
+    stream (forked over the lane's streams and joined back), like the other copiers.
+    `whole_block_loads` tells the transfer engine to load every layer in one call.
+    """
+
+    ids_on_host = True
+    whole_block_loads = True
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        host: HostBuffer,
+        *,
+        chunk_blocks: int = CHUNK_BLOCKS,
+        gather: str = "dma",
+    ) -> None:
+        if chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+        if gather not in GATHERS:
+            raise ValueError(f"gather {gather!r} is not known; choose one of: {', '.join(GATHERS)}")
+        self._device = next(iter(kv_caches.values())).device
+        self._cuda = self._device.type == "cuda"
+        self.chunk_blocks = chunk_blocks
+        self._host = host
+        self.staging = HostBuffer(host.layouts, 4 * chunk_blocks, pin=False, device=self._device)
+        self._direct: BlockCopier
+        if self._cuda:
+            self._direct = self._cuda_direct(kv_caches, host)
+        else:
+            self._direct = TorchBlockCopier(kv_caches, host, threads=1)
+        slots = torch.arange(4 * chunk_blocks, dtype=torch.int64).view(2, 2, chunk_blocks)
+        self._lanes: dict[bool, _Lane] = {}
+        for to_host, lane_slots in zip((True, False), slots, strict=True):
+            inner = self._device_hop(kv_caches, gather)
+            on_host = bool(getattr(inner, "ids_on_host", False)) or not self._cuda
+            lane_slots = lane_slots if on_host else lane_slots.to(self._device)
+            self._lanes[to_host] = _Lane(inner, lane_slots, self._device)
+
+    def _cuda_direct(self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
+        from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
+        from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier, copy_attributes
+
+        runtime = cuda_runtime()
+        if not runtime.available:
+            raise RuntimeError(runtime.why_unavailable)
+        if not host.pinned:
+            raise RuntimeError("staged block copies need a pinned host buffer")
+        self._runtime = runtime
+        index = self._device.index if self._device.index is not None else 0
+        # In the PCIe hop, the staging buffer is the "device" side, the host buffer the host.
+        self._attrs = copy_attributes(index)
+        return DmaBlockCopier(kv_caches, host)
+
+    def _device_hop(self, kv_caches: Mapping[str, torch.Tensor], gather: str) -> BlockCopier:
+        """A copier between the caches and the staging buffer, with streams of its own.
+
+        On CPU, "dma" stands for torch copies; "kernel" runs in Triton's interpreter only."""
+        if not self._cuda and gather == "dma":
+            return TorchBlockCopier(kv_caches, self.staging, threads=1)
+        if gather == "kernel":
+            from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+
+            return TritonBlockCopier(kv_caches, self.staging)
+        from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
+
+        inner = DmaBlockCopier(kv_caches, self.staging)
+        if not inner.pitched:
+            raise RuntimeError("a copy-engine gather needs a layer-compact KV layout")
+        return inner
+
+    def copy(
+        self,
+        to_host: bool,
+        device_ids: torch.Tensor,
+        host_ids: torch.Tensor,
+        layers: Sequence[str] | None = None,
+    ) -> None:
+        """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given layers."""
+        if layers is not None:
+            self._direct.copy(to_host, device_ids, host_ids, layers)
+            return
+        d = device_ids.to("cpu", torch.int64).reshape(-1)
+        h = host_ids.to("cpu", torch.int64).reshape(-1)
+        lane = self._lanes[to_host]
+        with lane.forked(self._device):
+            for k, start in enumerate(range(0, d.numel(), self.chunk_blocks)):
+                end = min(start + self.chunk_blocks, d.numel())
+                if to_host:
+                    self._store_chunk(lane, k % 2, d[start:end], h[start:end])
+                else:
+                    self._load_chunk(lane, k % 2, d[start:end], h[start:end])
+
+    # ---- one chunk ----
+
+    def _store_chunk(self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor) -> None:
+        slots = lane.slots[half, : d.numel()]
+        if not lane.cuda:
+            lane.inner.copy(True, d, slots)
+            self._hop(lane, True, h, slots)
+            return
+        gathered = torch.cuda.Event()
+        lane.gather_stream.wait_event(lane.last_use[half])
+        with torch.cuda.stream(lane.gather_stream):
+            lane.inner.copy(True, self._ids_for(slots, d), slots)
+        gathered.record(lane.gather_stream)
+        self._hop(lane, True, h, slots, after=gathered, done=lane.last_use[half])
+
+    def _load_chunk(self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor) -> None:
+        slots = lane.slots[half, : d.numel()]
+        if not lane.cuda:
+            self._hop(lane, False, h, slots)
+            lane.inner.copy(False, d, slots)
+            return
+        landed = torch.cuda.Event()
+        self._hop(lane, False, h, slots, after=lane.last_use[half], done=landed)
+        lane.gather_stream.wait_event(landed)
+        with torch.cuda.stream(lane.gather_stream):
+            lane.inner.copy(False, self._ids_for(slots, d), slots)
+        lane.last_use[half].record(lane.gather_stream)
+
+    def _ids_for(self, slots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` where the device-hop copier reads them: beside its slot ids."""
+        return ids.to(slots.device, non_blocking=True)
+
+    def _hop(
+        self,
+        lane: _Lane,
+        to_host: bool,
+        host_ids: torch.Tensor,
+        slots: torch.Tensor,
+        after: torch.cuda.Event | None = None,
+        done: torch.cuda.Event | None = None,
+    ) -> None:
+        """Whole blocks between staging `slots` and host blocks `host_ids`: one run per block,
+        runs that continue each other on both sides merged."""
+        from vllm_cpu_offload.worker.dma_copy import merge_runs
+
+        size = self._host.block_bytes
+        staged = self.staging.tensor.data_ptr() + slots.to("cpu") * size
+        hosted = self._host.tensor.data_ptr() + host_ids * size
+        staged, hosted, sizes = merge_runs(staged, hosted, size)
+        dsts, srcs = (hosted, staged) if to_host else (staged, hosted)
+        if not lane.cuda:
+            for dst, src, nbytes in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+                ctypes.memmove(dst, src, nbytes)
+            return
+        assert after is not None and done is not None
+        used = lane.hop_streams[: min(len(lane.hop_streams), dsts.numel())]
+        bounds = [dsts.numel() * k // len(used) for k in range(len(used) + 1)]
+        for stream, lo, hi in zip(used, bounds, bounds[1:], strict=False):
+            stream.wait_event(after)
+            self._runtime.memcpy_batch(
+                dsts[lo:hi], srcs[lo:hi], sizes[lo:hi], self._attrs[to_host], stream.cuda_stream
+            )
+        for stream in used[1:]:
+            joined = torch.cuda.Event()
+            joined.record(stream)
+            used[0].wait_event(joined)
+        done.record(used[0])
