@@ -24,8 +24,8 @@ EVICTION_POLICIES = ("prefix_aware", "lru")
 DEFAULT_EVICTION_POLICY = "prefix_aware"
 
 # How a CUDA worker copies blocks: Triton kernels, the copy engines (DMA), whole blocks
-# through device staging (staged), or the engine's
-# pick by run length. The CPU platform always copies with torch views.
+# through device staging (staged), or the engine's pick by run length. The CPU platform
+# always copies with torch views.
 COPY_BACKENDS = ("auto", "triton", "dma", "staged")
 DEFAULT_COPY_BACKEND = "auto"
 

@@ -24,11 +24,17 @@ Imports torch only (the CUDA runtime through ctypes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 
-from vllm_cpu_offload.worker.cuda_runtime import MemcpyAttributes, MemLocation, cuda_runtime
+from vllm_cpu_offload.worker.cuda_runtime import (
+    CudaRuntime,
+    MemcpyAttributes,
+    MemLocation,
+    cuda_runtime,
+)
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
 # cudaMemcpySrcAccessOrderStream: the source is read in stream order, like cudaMemcpyAsync.
@@ -80,6 +86,35 @@ def copy_attributes(device: int, *, buffer_on_device: bool = False) -> dict[bool
         True: MemcpyAttributes(order, caches, buffer, flags),
         False: MemcpyAttributes(order, buffer, caches, flags),
     }
+
+
+@contextmanager
+def forked(streams: Sequence[torch.cuda.Stream], device: torch.device) -> Iterator[None]:
+    """Side `streams` start after the current stream's work so far, and its later work waits
+    for them, also when the body raises (no copy is left running behind the caller)."""
+    current = torch.cuda.current_stream(device)
+    for stream in streams:
+        stream.wait_stream(current)
+    try:
+        yield
+    finally:
+        for stream in streams:
+            current.wait_stream(stream)
+
+
+def queue_batches(
+    runtime: CudaRuntime,
+    attrs: MemcpyAttributes,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    streams: Sequence[torch.cuda.Stream],
+) -> None:
+    """Queues each (dsts, srcs, sizes) batch of copies split evenly over `streams`."""
+    for dst, src, sizes in batches:
+        bounds = [len(dst) * k // len(streams) for k in range(len(streams) + 1)]
+        for stream, lo, hi in zip(streams, bounds, bounds[1:], strict=False):
+            if hi > lo:
+                stream_handle = stream.cuda_stream
+                runtime.memcpy_batch(dst[lo:hi], src[lo:hi], sizes[lo:hi], attrs, stream_handle)
 
 
 def _step(values: list[int]) -> int:
@@ -154,34 +189,15 @@ class DmaBlockCopier:
             dst, src = (t.host[i], t.device[i]) if to_host else (t.device[i], t.host[i])
             batches.append((dst, src, t.layer_sizes))
         count = sum(b[0].numel() for b in batches)
-        self._fork(count, lambda used: self._batched(to_host, batches, used))
+        attrs = self._attrs[to_host]
+        self._fork(count, lambda used: queue_batches(self._runtime, attrs, batches, used))
 
     def _fork(self, count: int, queue: Callable[[list[torch.cuda.Stream]], None]) -> None:
-        """Runs `queue` over side streams that start after, and end before, the current one's
-        later work."""
+        """Runs `queue` over as many of the copier's streams as `count` copies fill."""
         num_streams = max(1, min(len(self._streams), count // MIN_COPIES_PER_STREAM))
         used = self._streams[:num_streams]
-        current = torch.cuda.current_stream(self._device)
-        for stream in used:
-            stream.wait_stream(current)
-        queue(used)
-        for stream in used:
-            current.wait_stream(stream)
-
-    def _batched(
-        self,
-        to_host: bool,
-        batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-        used: list[torch.cuda.Stream],
-    ) -> None:
-        attrs = self._attrs[to_host]
-        for dst, src, sizes in batches:
-            bounds = [len(dst) * k // len(used) for k in range(len(used) + 1)]
-            for stream, lo, hi in zip(used, bounds, bounds[1:], strict=False):
-                if hi > lo:
-                    self._runtime.memcpy_batch(
-                        dst[lo:hi], src[lo:hi], sizes[lo:hi], attrs, stream.cuda_stream
-                    )
+        with forked(used, self._device):
+            queue(used)
 
     def _pitched(
         self,

@@ -72,7 +72,11 @@ class HostBuffer:
         self.num_host_blocks = num_host_blocks
         on_device = device is not None and device.type != "cpu"
         self.pinned = not on_device and (torch.cuda.is_available() if pin is None else pin)
-        self.tensor = _allocate(num_host_blocks, self.block_bytes, device)
+        if on_device:  # staging, not --swap-space: an allocation error speaks for itself
+            shape = (num_host_blocks, self.block_bytes)
+            self.tensor = torch.empty(shape, dtype=torch.uint8, device=device)
+        else:
+            self.tensor = _allocate(num_host_blocks, self.block_bytes)
         if self.pinned:
             _pin(self.tensor)
             # Unpinned when this buffer goes away, while its tensor is still alive.
@@ -116,9 +120,7 @@ class HostBuffer:
         return self.tensor[:, start : start + self.layouts[layer_name].block_bytes]
 
 
-def _allocate(num_blocks: int, block_bytes: int, device: torch.device | None) -> torch.Tensor:
-    if device is not None and device.type != "cpu":  # a staging buffer: not --swap-space
-        return torch.empty((num_blocks, block_bytes), dtype=torch.uint8, device=device)
+def _allocate(num_blocks: int, block_bytes: int) -> torch.Tensor:
     try:
         return torch.empty((num_blocks, block_bytes), dtype=torch.uint8)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError

@@ -29,8 +29,8 @@ without a GPU. Imports torch only (triton through the kernel copier, when chosen
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,28 +52,14 @@ class _Lane:
 
     def __init__(self, inner: BlockCopier, slots: torch.Tensor, device: torch.device) -> None:
         self.inner = inner
-        self.slots = slots  # [2, chunk_blocks]: the slots of each half
-        self.cuda = device.type == "cuda"
-        if self.cuda:
+        self.slots = slots  # [2, chunk_blocks] on the host: the slots of each half
+        # The same ids where the device hop reads them (on the device for the kernels).
+        on_host = bool(getattr(inner, "ids_on_host", False)) or device.type != "cuda"
+        self.inner_slots = slots if on_host else slots.to(device)
+        if device.type == "cuda":
             self.gather_stream = torch.cuda.Stream(device)
             self.hop_streams = [torch.cuda.Stream(device) for _ in range(HOP_STREAMS)]
             self.last_use = [torch.cuda.Event(), torch.cuda.Event()]
-
-    @contextmanager
-    def forked(self, device: torch.device) -> Iterator[None]:
-        """The lane's streams start after, and end before, the current stream's later work."""
-        if not self.cuda:
-            yield
-            return
-        streams = [self.gather_stream, *self.hop_streams]
-        current = torch.cuda.current_stream(device)
-        for stream in streams:
-            stream.wait_stream(current)
-        try:
-            yield
-        finally:  # a failed call still must not leave copies behind the caller's later work
-            for stream in streams:
-                current.wait_stream(stream)
 
 
 class StagedBlockCopier:
@@ -110,12 +96,10 @@ class StagedBlockCopier:
         else:
             self._direct = TorchBlockCopier(kv_caches, host, threads=1)
         slots = torch.arange(4 * chunk_blocks, dtype=torch.int64).view(2, 2, chunk_blocks)
-        self._lanes: dict[bool, _Lane] = {}
-        for to_host, lane_slots in zip((True, False), slots, strict=True):
-            inner = self._device_hop(kv_caches, gather)
-            on_host = bool(getattr(inner, "ids_on_host", False)) or not self._cuda
-            lane_slots = lane_slots if on_host else lane_slots.to(self._device)
-            self._lanes[to_host] = _Lane(inner, lane_slots, self._device)
+        self._lanes = {
+            to_host: _Lane(self._device_hop(kv_caches, gather), lane_slots, self._device)
+            for to_host, lane_slots in zip((True, False), slots, strict=True)
+        }
 
     def _cuda_direct(self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
         from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
@@ -163,7 +147,7 @@ class StagedBlockCopier:
         d = device_ids.to("cpu", torch.int64).reshape(-1)
         h = host_ids.to("cpu", torch.int64).reshape(-1)
         lane = self._lanes[to_host]
-        with lane.forked(self._device):
+        with self._forked(lane):
             for k, start in enumerate(range(0, d.numel(), self.chunk_blocks)):
                 end = min(start + self.chunk_blocks, d.numel())
                 if to_host:
@@ -174,34 +158,35 @@ class StagedBlockCopier:
     # ---- one chunk ----
 
     def _store_chunk(self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor) -> None:
-        slots = lane.slots[half, : d.numel()]
-        if not lane.cuda:
-            lane.inner.copy(True, d, slots)
-            self._hop(lane, True, h, slots)
+        n = d.numel()
+        if not self._cuda:
+            lane.inner.copy(True, d, lane.inner_slots[half, :n])
+            self._hop(lane, True, h, lane.slots[half, :n])
             return
         gathered = torch.cuda.Event()
         lane.gather_stream.wait_event(lane.last_use[half])
         with torch.cuda.stream(lane.gather_stream):
-            lane.inner.copy(True, self._ids_for(slots, d), slots)
+            self._device_hop_copy(lane, True, half, d)
         gathered.record(lane.gather_stream)
-        self._hop(lane, True, h, slots, after=gathered, done=lane.last_use[half])
+        self._hop(lane, True, h, lane.slots[half, :n], after=gathered, done=lane.last_use[half])
 
     def _load_chunk(self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor) -> None:
-        slots = lane.slots[half, : d.numel()]
-        if not lane.cuda:
-            self._hop(lane, False, h, slots)
-            lane.inner.copy(False, d, slots)
+        n = d.numel()
+        if not self._cuda:
+            self._hop(lane, False, h, lane.slots[half, :n])
+            lane.inner.copy(False, d, lane.inner_slots[half, :n])
             return
         landed = torch.cuda.Event()
-        self._hop(lane, False, h, slots, after=lane.last_use[half], done=landed)
+        self._hop(lane, False, h, lane.slots[half, :n], after=lane.last_use[half], done=landed)
         lane.gather_stream.wait_event(landed)
         with torch.cuda.stream(lane.gather_stream):
-            lane.inner.copy(False, self._ids_for(slots, d), slots)
+            self._device_hop_copy(lane, False, half, d)
         lane.last_use[half].record(lane.gather_stream)
 
-    def _ids_for(self, slots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` where the device-hop copier reads them: beside its slot ids."""
-        return ids.to(slots.device, non_blocking=True)
+    def _device_hop_copy(self, lane: _Lane, to_host: bool, half: int, d: torch.Tensor) -> None:
+        """The device hop of one chunk on the current stream, ids where the copier reads them."""
+        slots = lane.inner_slots[half, : d.numel()]
+        lane.inner.copy(to_host, d.to(slots.device, non_blocking=True), slots)
 
     def _hop(
         self,
@@ -214,27 +199,32 @@ class StagedBlockCopier:
     ) -> None:
         """Whole blocks between staging `slots` and host blocks `host_ids`: one run per block,
         runs that continue each other on both sides merged."""
-        from vllm_cpu_offload.worker.dma_copy import merge_runs
+        from vllm_cpu_offload.worker.dma_copy import merge_runs, queue_batches
 
         size = self._host.block_bytes
-        staged = self.staging.tensor.data_ptr() + slots.to("cpu") * size
+        staged = self.staging.tensor.data_ptr() + slots * size
         hosted = self._host.tensor.data_ptr() + host_ids * size
         staged, hosted, sizes = merge_runs(staged, hosted, size)
         dsts, srcs = (hosted, staged) if to_host else (staged, hosted)
-        if not lane.cuda:
+        if not self._cuda:
             for dst, src, nbytes in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
                 ctypes.memmove(dst, src, nbytes)
             return
         assert after is not None and done is not None
         used = lane.hop_streams[: min(len(lane.hop_streams), dsts.numel())]
-        bounds = [dsts.numel() * k // len(used) for k in range(len(used) + 1)]
-        for stream, lo, hi in zip(used, bounds, bounds[1:], strict=False):
+        for stream in used:
             stream.wait_event(after)
-            self._runtime.memcpy_batch(
-                dsts[lo:hi], srcs[lo:hi], sizes[lo:hi], self._attrs[to_host], stream.cuda_stream
-            )
+        queue_batches(self._runtime, self._attrs[to_host], [(dsts, srcs, sizes)], used)
         for stream in used[1:]:
             joined = torch.cuda.Event()
             joined.record(stream)
             used[0].wait_event(joined)
         done.record(used[0])
+
+    def _forked(self, lane: _Lane) -> AbstractContextManager[None]:
+        """The lane's streams start after, and end before, the current stream's later work."""
+        if not self._cuda:
+            return nullcontext()
+        from vllm_cpu_offload.worker.dma_copy import forked
+
+        return forked([lane.gather_stream, *lane.hop_streams], self._device)
