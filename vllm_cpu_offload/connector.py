@@ -212,7 +212,12 @@ class CPUOffloadConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         assert report is None or isinstance(report, OffloadWorkerReport)
-        self._sched().update_connector_output(report)
+        released = self._sched().update_connector_output(report)
+        if released:
+            # vLLM frees the blocks of `finished_sending` right after this call, in the same
+            # step: an engine that goes idle now keeps no block for a store already done.
+            sending = connector_output.finished_sending or set()
+            connector_output.finished_sending = sending | released
 
     @override
     def request_finished(

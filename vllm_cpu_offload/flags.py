@@ -21,6 +21,7 @@ Flag semantics (also in the README):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from typing import Any
@@ -83,7 +84,7 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
             else OffloadConfig()
         )
         gib = parse_swap_space(swap_space) if swap_space is not None else base.swap_space_gib
-        config = OffloadConfig(swap_space_gib=gib, eviction_policy=base.eviction_policy)
+        config = dataclasses.replace(base, swap_space_gib=gib)
     if getattr(engine_args, "kv_offloading_size", None) is not None:
         raise OffloadConfigError(
             "--enable-cpu-offload cannot be combined with vLLM's own --kv-offloading-size; "
@@ -104,6 +105,9 @@ def _kv_transfer_config_for(config: OffloadConfig, previous: Any) -> Any:
         kv_connector_module_path=CONNECTOR_MODULE,
         kv_role="kv_both",
         kv_connector_extra_config=extra,
+        # The host tier is a cache: a load that fails is a miss that vLLM recomputes,
+        # never a failed request (vLLM's default policy fails the request).
+        kv_load_failure_policy="recompute",
     )
 
 

@@ -10,11 +10,12 @@ from vllm_cpu_offload.config import CONNECTOR_MODULE, CONNECTOR_NAME
 
 
 def register() -> None:
-    """Registers the connector with KVConnectorFactory and adds the two engine flags."""
+    """Registers the connector, adds the two engine flags, keeps the model's cores as without."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from vllm_cpu_offload import flags
+    from vllm_cpu_offload import flags, omp_cores
 
     flags.apply()  # checks the vLLM version first
+    omp_cores.apply()
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

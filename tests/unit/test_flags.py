@@ -126,6 +126,22 @@ def test_advanced_route_validates_and_keeps_extra_config() -> None:
     assert config == OffloadConfig(swap_space_gib=0.25, eviction_policy="lru", copy_backend="dma")
 
 
+def test_flags_keep_the_advanced_routes_other_keys_and_recompute_failed_loads() -> None:
+    # --enable-cpu-offload --swap-space over an explicit config: the size changes, the rest
+    # stays; a failed load is a recompute (vLLM's default would fail the request).
+    ktc = KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_role="kv_both",
+        kv_connector_extra_config={"eviction_policy": "lru", "copy_backend": "dma"},
+    )
+    args = _args(enable_cpu_offload=True, swap_space="0.5", kv_transfer_config=ktc)
+    config = flags.resolve_offload(args)
+    assert config == OffloadConfig(swap_space_gib=0.5, eviction_policy="lru", copy_backend="dma")
+    built = flags._kv_transfer_config_for(config, ktc)
+    assert built.kv_load_failure_policy == "recompute"
+    assert built.kv_connector_extra_config["copy_backend"] == "dma"
+
+
 def test_version_check_refuses_other_versions() -> None:
     # The patch names the version it was written for and refuses any other.
     flags.check_vllm_version("0.32.0")

@@ -159,6 +159,30 @@ def test_finished_request_with_store_in_flight_is_freed_late() -> None:
     assert engine.step({}).delayed_free_req_ids == ["a"]
 
 
+def test_store_reported_in_the_finishing_step_frees_the_blocks_in_that_step() -> None:
+    # vLLM finishes a request before it reads the step's report; a store in that report
+    # releases the blocks at once, so an engine that goes idle holds none of them.
+    engine = Engine()
+    request = _request("a", list(range(10)))
+    job = _prefill(engine, request).stores[0].job_id
+    assert engine.tier.request_finished(request) is True
+    assert engine.tier.update_connector_output(OffloadWorkerReport(Counter([job]))) == {"a"}
+    assert engine.step({}).delayed_free_req_ids == []
+
+
+def test_store_still_in_flight_is_handed_to_the_workers_once() -> None:
+    # A store not in the finishing step's report: the workers hold the blocks and report them.
+    engine = Engine(workers=2)
+    request = _request("a", list(range(10)))
+    job = _prefill(engine, request).stores[0].job_id
+    engine.tier.request_finished(request)
+    assert engine.tier.update_connector_output(OffloadWorkerReport(Counter([job]))) == set()
+    assert engine.step({}).delayed_free_req_ids == ["a"]
+    # The second worker's report comes after the hand-over: the workers free it, not us.
+    assert engine.tier.update_connector_output(OffloadWorkerReport(Counter([job]))) == set()
+    assert engine.step({}).delayed_free_req_ids == []
+
+
 def test_failed_store_frees_its_blocks_and_failed_load_unpins() -> None:
     # Faults cost a miss: nothing failed becomes visible, nothing stays pinned.
     engine = Engine()

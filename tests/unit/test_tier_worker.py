@@ -65,3 +65,28 @@ def test_delayed_free_is_reported_once_the_request_has_no_store_left() -> None:
     assert _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, "a", [2], [0])])) is None
     assert _step(worker, OffloadStepMetadata(delayed_free_req_ids=["a"])) == {"a"}
     assert _step(worker, OffloadStepMetadata()) is None
+
+
+def test_injected_faults_fail_the_chosen_share_uncopied(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The test-only knob at share 1: every load and store fails, nothing is copied, the
+    # load's device blocks go back to vLLM for recompute, the request is not held.
+    monkeypatch.setenv("VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE", "1")
+    worker, caches = _worker()
+    before = {name: t.clone() for name, t in caches.items()}
+    meta = OffloadStepMetadata(
+        stores=[BlockTransfer(1, "a", [5], [2])], loads=[BlockTransfer(2, "b", [1], [3])]
+    )
+    _step(worker, meta)
+    assert all(torch.equal(t, before[name]) for name, t in caches.items())
+    assert worker.take_load_errors() == {1}
+    report = worker.take_report()
+    assert report is not None and report.failed == {1, 2} and not report.finished
+    assert _step(worker, OffloadStepMetadata(delayed_free_req_ids=["a"])) == {"a"}
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "often"])
+def test_fault_share_out_of_range_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    # A bad knob is a clear error, not a silent no-op.
+    monkeypatch.setenv("VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE", value)
+    with pytest.raises(ValueError, match="VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE"):
+        HostTierWorker(HOST_BLOCKS, BLOCKS)

@@ -10,6 +10,10 @@ Invariants (tests in tests/unit/test_tier_scheduler.py and tests/e2e):
 - A device block being stored stays allocated until the store finished: finished requests
   with stores in flight are freed late (`request_finished` returns True) and preempted
   requests make the workers drain their stores before the blocks are reused.
+- A finished request's blocks are freed in the step its last store is reported: a store
+  that completes in the request's last step (every store on the CPU platform) frees the
+  blocks at once, never waiting for a next step that an idle engine would not run. Only
+  stores still in flight are handed to the workers, which report them when done.
 - Stored blocks become visible to lookups only after every worker reported the store.
 - Lookups return a contiguous run of whole blocks that starts right after the device hit and
   leaves at least one prompt token to compute.
@@ -73,7 +77,9 @@ class HostTierScheduler:
         self._reports: Counter[int] = Counter()
         self._next_job_id = 0
         self._step_loads: list[BlockTransfer] = []
-        self._delayed_free: list[str] = []
+        # Finished requests whose device blocks wait for these store jobs, not yet handed
+        # to the workers (that happens in the next step's metadata).
+        self._held: dict[str, set[int]] = {}
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -123,10 +129,10 @@ class HostTierScheduler:
         """This step's loads, and stores for the blocks that become full during the step."""
         meta = OffloadStepMetadata(
             loads=self._step_loads,
-            delayed_free_req_ids=self._delayed_free,
+            delayed_free_req_ids=list(self._held),
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
         )
-        self._step_loads, self._delayed_free = [], []
+        self._step_loads, self._held = [], {}
         self.stats.preempted_requests += len(meta.preempted_req_ids)
         for req_id in meta.preempted_req_ids:
             if (state := self._requests.get(req_id)) is not None:
@@ -168,19 +174,26 @@ class HostTierScheduler:
 
     # ---- completions -------------------------------------------------------------------
 
-    def update_connector_output(self, report: OffloadWorkerReport | None) -> None:
-        """Finished stores become visible; finished loads unpin their host blocks."""
-        if report is None:
-            return
-        for job_id in report.failed:
-            if job_id in self._jobs:
-                self._complete(job_id, success=False)
-        for job_id, count in report.finished.items():
-            if job_id not in self._jobs:
-                continue
-            self._reports[job_id] += count
-            if self._reports[job_id] >= self.num_workers:
-                self._complete(job_id, success=True)
+    def update_connector_output(self, report: OffloadWorkerReport | None) -> set[str]:
+        """Finished stores become visible; finished loads unpin their host blocks.
+
+        Returns the finished requests whose device blocks can be freed now: their last
+        stores are in this report and the workers were not yet told to hold them.
+        """
+        if report is not None:
+            for job_id in report.failed:
+                if job_id in self._jobs:
+                    self._complete(job_id, success=False)
+            for job_id, count in report.finished.items():
+                if job_id not in self._jobs:
+                    continue
+                self._reports[job_id] += count
+                if self._reports[job_id] >= self.num_workers:
+                    self._complete(job_id, success=True)
+        released = {req_id for req_id, jobs in self._held.items() if not jobs}
+        for req_id in released:
+            del self._held[req_id]
+        return released
 
     def _complete(self, job_id: int, success: bool) -> None:
         job = self._jobs.pop(job_id)
@@ -198,13 +211,15 @@ class HostTierScheduler:
         state = self._requests.get(job.req_id)
         if state is not None:
             state.store_jobs.discard(job_id)
+        elif (held := self._held.get(job.req_id)) is not None:
+            held.discard(job_id)
 
     def request_finished(self, request: Request) -> bool:
         """Returns True when the request's device blocks must outlive its stores."""
         state = self._requests.pop(request.request_id, None)
         if state is None or not state.store_jobs:
             return False
-        self._delayed_free.append(request.request_id)
+        self._held[request.request_id] = state.store_jobs
         return True
 
     def reset_cache(self) -> bool:

@@ -15,6 +15,7 @@ import torch
 
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadStats
+from vllm_cpu_offload.worker.fault_injection import FaultInjector
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine, TransferJob
 
@@ -46,6 +47,7 @@ class HostTierWorker:
         # the copies themselves on the CPU platform, queueing and waits on CUDA.
         self._load_seconds = 0.0
         self._store_seconds = 0.0
+        self._faults = FaultInjector.from_env()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         host = HostBuffer.for_kv_caches(
@@ -69,7 +71,7 @@ class HostTierWorker:
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
-        self._step_stores = [_job(t) for t in metadata.stores]
+        self._step_stores = [_job(t) for t in self._without_injected_faults(metadata.stores)]
 
     def start_loads(self, metadata: OffloadStepMetadata) -> None:
         """Queues the step's loads; vLLM calls this before the forward when there are any."""
@@ -77,9 +79,21 @@ class HostTierWorker:
             return
         for t in metadata.loads:
             self._load_device_blocks[t.job_id] = t.device_block_ids
+        loads = [_job(t) for t in self._without_injected_faults(metadata.loads)]
         start = time.perf_counter()
-        self._engine().start_loads([_job(t) for t in metadata.loads])
+        self._engine().start_loads(loads)
         self._load_seconds += time.perf_counter() - start
+
+    def _without_injected_faults(self, transfers: list[BlockTransfer]) -> list[BlockTransfer]:
+        """The transfers to run; the test-only injector fails the others, uncopied."""
+        if self._faults is None:
+            return transfers
+        kept = [t for t in transfers if not self._faults.fails()]
+        if len(kept) < len(transfers):
+            kept_ids = {t.job_id for t in kept}
+            failed = {t.job_id for t in transfers if t.job_id not in kept_ids}
+            self._collect(FinishedJobs(failed=failed))
+        return kept
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         start = time.perf_counter()

@@ -1,0 +1,80 @@
+"""Reads documents twice, one request at a time, on an engine run as users run it; prints JSON.
+
+The engine core and the worker run in their own processes (vLLM's default), so vLLM's CPU
+executor binds the worker's OpenMP threads exactly as it does for a user. The JSON holds the
+greedy tokens and cached-token counts of every request, and the worker's OpenMP threads and
+CPU binding, read inside the worker.
+
+    python -m tests.e2e.long_document_run MODEL [--offload] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# collective_rpc sends the probe below by pickle only with this set; it stays on loopback.
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+
+BLOCK_SIZE = 32
+OMP_VARIABLES = ("OMP_NUM_THREADS", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES")
+
+
+def worker_threads(worker: Any) -> dict[str, Any]:
+    """The OpenMP threads and binding of the process it runs in (a worker)."""
+    import torch
+
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "env": {name: os.environ.get(name) for name in OMP_VARIABLES},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--docs", type=int, default=6)
+    parser.add_argument("--doc-tokens", type=int, default=300)
+    parser.add_argument("--device-blocks", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_cpu_offload.testing.tiny_model import random_token_ids
+
+    rng = random.Random(11)
+    docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
+    flags: dict[str, Any] = dict(enable_cpu_offload=True, swap_space=0.05) if args.offload else {}
+    llm = LLM(
+        args.model,
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=args.device_blocks,
+        max_model_len=args.doc_tokens + 2 * BLOCK_SIZE,
+        dtype=args.dtype,
+        seed=0,
+        **flags,
+    )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    requests = []
+    for doc in docs + docs:  # every document read twice, one request at a time
+        out = llm.generate([TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False)[0]
+        requests.append(
+            {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+        )
+    (threads,) = llm.collective_rpc(worker_threads)
+    print("RESULT " + json.dumps({"requests": requests, "worker": threads}))
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()

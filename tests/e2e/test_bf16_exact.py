@@ -1,0 +1,68 @@
+"""bf16, one request at a time, the engine as users run it: the flag changes no token and no core.
+
+Each arm runs `tests/e2e/long_document_run.py` in a fresh process with vLLM's default
+multiprocess engine, so vLLM's CPU executor binds the worker's OpenMP threads as it does for
+a user; the worker reports its threads and binding from inside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.conftest import BLOCK_SIZE
+
+pytestmark = pytest.mark.e2e
+
+DOC_TOKENS = 300
+DOCS = 6
+
+
+def _run(model: str, *flags: str) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine runs as a user runs it
+    for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
+        env.pop(name, None)  # vLLM's own default binding, in both arms
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "tests.e2e.long_document_run", model,
+            "--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), *flags,
+        ],
+        capture_output=True, text=True, timeout=400, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return dict(json.loads(line.removeprefix("RESULT ")))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _run(tiny_model), _run(tiny_model, "--offload")
+
+
+def test_worker_gets_the_same_openmp_threads_and_binding_with_the_flag(
+    runs: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    # vLLM reserves a core for any KV connector; ours must not change the model's cores.
+    without, with_flag = runs
+    assert with_flag["worker"] == without["worker"]
+    assert with_flag["worker"]["torch_threads"] == int(without["worker"]["env"]["OMP_NUM_THREADS"])
+
+
+def test_bf16_greedy_tokens_equal_without_the_flag_and_rereads_hit_host(
+    runs: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    # Documents read twice; the device cache holds about two, so re-reads come from host.
+    without, with_flag = runs
+    assert [r["tokens"] for r in with_flag["requests"]] == [
+        r["tokens"] for r in without["requests"]
+    ]
+    rereads = with_flag["requests"][DOCS:]
+    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert all(r["cached"] >= full_blocks for r in rereads), rereads
+    assert all(r["cached"] == 0 for r in without["requests"][DOCS:])
