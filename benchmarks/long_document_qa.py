@@ -2,12 +2,20 @@
 
 N documents of L tokens are each read once (warm-up), then re-read in a repeat order; the
 device KV cache holds about 8 documents and the host tier about 30. Requests are sent one at
-a time with one output token, so a request's latency is its time to first token. Both modes
-run in this process, one after the other, on the same prompts. A last run with no reuse at
-all (every prompt unique) measures the overhead of the tier.
+a time, so a request's latency is its time to first token (one output token by default). A
+last phase with no reuse at all (every prompt unique) measures the overhead of the tier.
 
-    python benchmarks/long_document_qa.py                   # N = 16, 32, 64 (about 10 min)
-    python benchmarks/long_document_qa.py --docs 16 --quick # one N, fewer layers (CI smoke)
+A fair A/B: each arm is a fresh process running vLLM as users run it (the default
+multiprocess engine: engine core and worker in their own processes, OpenMP threads bound by
+vLLM's CPU executor, the same cores with and without the flag). Arms are started alternately,
+`--pairs` times (A B, B A, A B, ...), on the same prompts; the tables give the median of the
+pairs and their range. Each phase also records the machine's steal time and the CPU time of
+the engine's processes, so that a slow spell of the host shows up as what it is.
+
+    python benchmarks/long_document_qa.py                    # N = 16, 32, 64, 3 pairs
+    python benchmarks/long_document_qa.py --docs 16 --pairs 1 --quick   # a smoke run
+    python benchmarks/long_document_qa.py --docs 10 --doc-tokens 1500 --device-blocks 200 \\
+        --max-tokens 16 --no-reuse-docs 0          # the long-document exactness check
 
 Prints one table per N and the ratios, writes JSON and a plot to benchmarks/results/.
 """
@@ -15,17 +23,18 @@ Prints one table per N and the ratios, writes JSON and a plot to benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read the connector's counters directly
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -33,6 +42,7 @@ from vllm_cpu_offload.testing.tiny_model import TinyLlamaShape, ensure_tiny_llam
 
 BLOCK_SIZE = 32
 RESULTS = Path(__file__).parent / "results"
+ARMS = ("prefix-caching", "cpu-offload")
 
 # Wide enough that a document's prefill dominates the fixed cost of a request on a CPU,
 # small enough that a full run fits in minutes on 2 cores.
@@ -46,14 +56,20 @@ QUICK_SHAPE = TinyLlamaShape(
 
 @dataclass
 class PhaseResult:
-    mode: str
+    arm: str
     docs: int
     wall_s: float
     ttft_mean_ms: float
     ttft_p90_ms: float
     prompt_tokens: int
-    device_hit_tokens: int
-    host_hit_tokens: int
+    cached_tokens: int  # device and host hits, vLLM's own per-request count
+    host_hit_tokens: int  # from the connector's Prometheus counter
+    # Time per request that hit nothing: the cost of one document's prefill in this phase.
+    miss_ms_median: float
+    misses: int
+    steal_s: float  # machine-wide, from /proc/stat: time the hypervisor ran someone else
+    engine_cpu_s: float  # user + system time of this process and the engine's processes
+    tokens: list[list[int]]  # greedy output of each request, in order
 
 
 def _repeat_order(n: int, mode: str, rng: random.Random) -> list[int]:
@@ -68,130 +84,197 @@ def _repeat_order(n: int, mode: str, rng: random.Random) -> list[int]:
     raise ValueError(f"unknown repeat mode {mode!r}; choose random, tile or interleave")
 
 
-def _make_llm(
-    model: str,
-    offload: bool,
-    doc_tokens: int,
-    device_docs: int,
-    host_docs: int,
-    shape: TinyLlamaShape,
-) -> Any:
+def _steal_seconds() -> float:
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")  # cpu user nice system idle ... steal
+
+
+def _engine_cpu_seconds() -> float:
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def _host_hits(llm: Any) -> int:
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:cpu_offload_hit_tokens":
+            return int(metric.value)
+    return 0
+
+
+def _make_llm(args: argparse.Namespace, shape: TinyLlamaShape, offload: bool) -> Any:
     from vllm import LLM
 
-    doc_blocks = -(-doc_tokens // BLOCK_SIZE)
+    doc_blocks = -(-args.doc_tokens // BLOCK_SIZE)
     kwargs: dict[str, Any] = dict(
         enforce_eager=True,
         block_size=BLOCK_SIZE,
-        num_gpu_blocks_override=device_docs * doc_blocks,
-        max_model_len=doc_blocks * BLOCK_SIZE + BLOCK_SIZE,
+        num_gpu_blocks_override=args.device_blocks or args.device_docs * doc_blocks,
+        max_model_len=doc_blocks * BLOCK_SIZE + BLOCK_SIZE + args.max_tokens,
         max_num_seqs=4,
         max_num_batched_tokens=4096,
         dtype="bfloat16",
         seed=0,
-        disable_log_stats=True,
+        disable_log_stats=False,  # both arms: the host-hit counter comes from the metrics
     )
     if offload:
         head_dim = shape.hidden_size // shape.num_heads
         block_bytes = 2 * shape.num_layers * BLOCK_SIZE * shape.num_kv_heads * head_dim * 2
         kwargs |= dict(
             enable_cpu_offload=True,
-            swap_space=host_docs * doc_blocks * block_bytes / (1 << 30),
+            swap_space=args.host_docs * doc_blocks * block_bytes / (1 << 30),
         )
-    return LLM(model, **kwargs)
+    return LLM(args.model, **kwargs)
 
 
-def _host_hits(llm: Any) -> int:
-    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    return 0 if connector is None else int(connector.scheduler.stats.hit_tokens)
-
-
-def _phase(llm: Any, mode: str, prompts: list[list[int]], order: list[int]) -> PhaseResult:
+def _phase(llm: Any, arm: str, prompts: list[list[int]], order: list[int], max_tokens: int) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    host_before = _host_hits(llm)
-    latencies, cached, prompt_tokens = [], 0, 0
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    host_before, steal_before, cpu_before = _host_hits(llm), _steal_seconds(), _engine_cpu_seconds()
+    latencies, misses, tokens, cached, prompt_tokens = [], [], [], 0, 0
     start = time.perf_counter()
     for i in order:
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)[0]
-        latencies.append(time.perf_counter() - t0)
-        cached += out.num_cached_tokens or 0
+        latency = time.perf_counter() - t0
+        latencies.append(latency)
+        hit = out.num_cached_tokens or 0
+        if hit < BLOCK_SIZE:
+            misses.append(latency)
+        cached += hit
         prompt_tokens += len(out.prompt_token_ids)
+        tokens.append(list(out.outputs[0].token_ids))
     wall = time.perf_counter() - start
-    host = _host_hits(llm) - host_before
     latencies.sort()
-    return PhaseResult(
-        mode=mode,
-        docs=len(prompts),
-        wall_s=wall,
-        ttft_mean_ms=1000 * statistics.fmean(latencies),
-        ttft_p90_ms=1000 * latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
-        prompt_tokens=prompt_tokens,
-        device_hit_tokens=cached - host,
-        host_hit_tokens=host,
+    return asdict(
+        PhaseResult(
+            arm=arm,
+            docs=len(prompts),
+            wall_s=wall,
+            ttft_mean_ms=1000 * statistics.fmean(latencies),
+            ttft_p90_ms=1000 * latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            host_hit_tokens=_host_hits(llm) - host_before,
+            miss_ms_median=1000 * statistics.median(misses) if misses else 0.0,
+            misses=len(misses),
+            steal_s=_steal_seconds() - steal_before,
+            engine_cpu_s=_engine_cpu_seconds() - cpu_before,
+            tokens=tokens,
+        )
     )
 
 
-def run_mode(
-    model: str, offload: bool, args: argparse.Namespace, shape: TinyLlamaShape, docs: list[int]
-) -> list[dict[str, Any]]:
-    """One engine per mode; every N and the no-reuse run on it, after a reset between N."""
-    llm = _make_llm(model, offload, args.doc_tokens, args.device_docs, args.host_docs, shape)
-    mode = "cpu-offload" if offload else "prefix-caching"
+def run_arm(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One engine: every N (after a reset of both tiers) and the no-reuse phase."""
+    shape = QUICK_SHAPE if args.quick else BENCH_SHAPE
+    arm = args.run_arm
+    llm = _make_llm(args, shape, offload=arm == "cpu-offload")
     results = []
     try:
-        for n in docs:
-            llm.reset_prefix_cache(reset_connector=True)
+        for n in args.docs:
+            assert llm.reset_prefix_cache(reset_connector=True), "a block is still held"
             rng = random.Random(n)
             prompts = [random_token_ids(rng, args.doc_tokens) for _ in range(n)]
-            warm = _phase(llm, mode, prompts, list(range(n)))
-            again = _phase(llm, mode, prompts, _repeat_order(n, args.repeat_mode, rng))
-            results.append({"docs": n, "warmup": asdict(warm), "reread": asdict(again)})
-        llm.reset_prefix_cache(reset_connector=True)
-        rng = random.Random(12345)
-        unique = [random_token_ids(rng, args.doc_tokens) for _ in range(args.no_reuse_docs)]
-        once = _phase(llm, mode, unique, list(range(len(unique))))
-        results.append({"docs": 0, "no_reuse": asdict(once)})
+            warm = _phase(llm, arm, prompts, list(range(n)), args.max_tokens)
+            order = _repeat_order(n, args.repeat_mode, rng)
+            again = _phase(llm, arm, prompts, order, args.max_tokens)
+            results.append({"docs": n, "warmup": warm, "reread": again})
+        if args.no_reuse_docs:
+            assert llm.reset_prefix_cache(reset_connector=True), "a block is still held"
+            rng = random.Random(12345)
+            unique = [random_token_ids(rng, args.doc_tokens) for _ in range(args.no_reuse_docs)]
+            once = _phase(llm, arm, unique, list(range(len(unique))), args.max_tokens)
+            results.append({"docs": 0, "no_reuse": once})
     finally:
         llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
     return results
 
 
-def _print(base: list[dict[str, Any]], off: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    head = (
-        f"{'docs':>5} {'mode':>15} {'reread s':>9} {'TTFT mean':>10} {'TTFT p90':>9} "
-        f"{'device hit':>11} {'host hit':>9}"
-    )
-    print(head)
-    print("-" * len(head))
-    for b, o in zip(base, off, strict=True):
-        if "reread" not in b:
+def _spawn_arm(arm: str, argv: list[str]) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "arm.json"
+        cmd = [sys.executable, __file__, *argv, "--run-arm", arm, "--arm-json", str(out)]
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine as users run it
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the {arm} arm failed:\n{proc.stderr[-4000:]}")
+        return list(json.loads(out.read_text()))
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _fmt(s: dict[str, float], unit: str = "x", digits: int = 2) -> str:
+    return f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def summarize(pairs: list[dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Median and range over the pairs; prints the tables."""
+    summary: dict[str, Any] = {"docs": [], "outputs_equal": True}
+    base0 = pairs[0]["prefix-caching"]
+    for i, entry in enumerate(base0):
+        if "reread" not in entry:
             continue
-        for r in (b["reread"], o["reread"]):
+        rows = {arm: [p[arm][i] for p in pairs] for arm in ARMS}
+        equal = all(
+            p["prefix-caching"][i][ph]["tokens"] == p["cpu-offload"][i][ph]["tokens"]
+            for p in pairs
+            for ph in ("warmup", "reread")
+        )
+        summary["outputs_equal"] &= equal
+        speedups = [
+            b["reread"]["wall_s"] / o["reread"]["wall_s"]
+            for b, o in zip(rows["prefix-caching"], rows["cpu-offload"], strict=True)
+        ]
+        row: dict[str, Any] = {"docs": entry["docs"], "reread_speedup": _spread(speedups)}
+        print(f"\n{entry['docs']} documents, re-read phase (median of {len(pairs)} pairs, range)")
+        for arm in ARMS:
+            r = [x["reread"] for x in rows[arm]]
+            stats = {
+                key: _spread([x[key] for x in r])
+                for key in ("wall_s", "ttft_mean_ms", "ttft_p90_ms", "miss_ms_median", "steal_s")
+            }
+            stats["host_hit_tokens"] = _spread([x["host_hit_tokens"] for x in r])
+            stats["cached_tokens"] = _spread([x["cached_tokens"] for x in r])
+            warm_miss = _spread([x["warmup"]["miss_ms_median"] for x in rows[arm]])
+            row[arm] = stats | {"warmup_miss_ms_median": warm_miss}
             print(
-                f"{r['docs']:>5} {r['mode']:>15} {r['wall_s']:>9.2f} {r['ttft_mean_ms']:>8.1f}ms "
-                f"{r['ttft_p90_ms']:>7.1f}ms {r['device_hit_tokens']:>11} {r['host_hit_tokens']:>9}"
+                f"  {arm:>15}: {_fmt(stats['wall_s'], ' s')}, TTFT mean "
+                f"{_fmt(stats['ttft_mean_ms'], ' ms', 0)}, "
+                f"p90 {_fmt(stats['ttft_p90_ms'], ' ms', 0)}"
+                f", host hits {stats['host_hit_tokens']['median']:.0f}, a miss "
+                f"{stats['miss_ms_median']['median']:.0f} ms (warm-up {warm_miss['median']:.0f})"
             )
-        speedup = b["reread"]["wall_s"] / o["reread"]["wall_s"]
-        ttft = b["reread"]["ttft_mean_ms"] / o["reread"]["ttft_mean_ms"]
-        print(f"{'':>5} {'ratio':>15} re-read {speedup:.2f}x faster, mean TTFT {ttft:.2f}x lower")
-        rows.append({"docs": b["docs"], "reread_speedup": speedup, "ttft_ratio": ttft})
-    nb, no = base[-1]["no_reuse"], off[-1]["no_reuse"]
-    throughput = (no["prompt_tokens"] / no["wall_s"]) / (nb["prompt_tokens"] / nb["wall_s"])
-    print(
-        f"no reuse ({nb['docs']} unique prompts): prefix-caching {nb['wall_s']:.2f}s, "
-        f"cpu-offload {no['wall_s']:.2f}s -> throughput {throughput:.3f}x of the baseline"
-    )
-    rows.append({"docs": 0, "no_reuse_throughput_ratio": throughput})
-    return rows
+        print(f"  re-read speed-up {_fmt(row['reread_speedup'])}; outputs equal: {equal}")
+        summary["docs"].append(row)
+    if "no_reuse" in base0[-1]:
+        # Same prompts in both arms: the throughput ratio is the inverse ratio of wall times.
+        ratios = [
+            p["prefix-caching"][-1]["no_reuse"]["wall_s"]
+            / p["cpu-offload"][-1]["no_reuse"]["wall_s"]
+            for p in pairs
+        ]
+        ratio = summary["no_reuse_throughput_ratio"] = _spread(ratios)
+        print(f"\nno reuse: throughput with the flag {_fmt(ratio, 'x', 3)} of the baseline")
+    print(f"greedy outputs of both arms equal in every pair: {summary['outputs_equal']}")
+    return summary
 
 
-def _plot(base: list[dict[str, Any]], off: list[dict[str, Any]], path: Path) -> None:
+def _plot(summary: dict[str, Any], path: Path) -> None:
     try:
         import matplotlib
 
@@ -200,69 +283,88 @@ def _plot(base: list[dict[str, Any]], off: list[dict[str, Any]], path: Path) -> 
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    docs = [b["docs"] for b in base if "reread" in b]
+    rows = summary["docs"]
     width = 0.38
-    xs = range(len(docs))
+    xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(
-        [x - width / 2 for x in xs],
-        [b["reread"]["wall_s"] for b in base if "reread" in b],
-        width,
-        label="prefix caching",
-    )
-    ax.bar(
-        [x + width / 2 for x in xs],
-        [o["reread"]["wall_s"] for o in off if "reread" in o],
-        width,
-        label="--enable-cpu-offload",
-    )
-    ax.set_xticks(list(xs), [str(d) for d in docs])
+    for offset, arm, label in (
+        (-1, ARMS[0], "prefix caching"),
+        (1, ARMS[1], "--enable-cpu-offload"),
+    ):
+        med = [r[arm]["wall_s"]["median"] for r in rows]
+        err = [
+            [m - r[arm]["wall_s"]["min"] for m, r in zip(med, rows, strict=True)],
+            [r[arm]["wall_s"]["max"] - m for m, r in zip(med, rows, strict=True)],
+        ]
+        ax.bar([x + offset * width / 2 for x in xs], med, width, yerr=err, capsize=3, label=label)
+    ax.set_xticks(list(xs), [str(r["docs"]) for r in rows])
     ax.set_xlabel("documents")
     ax.set_ylabel("re-read phase, seconds")
-    ax.set_title("Long-document QA re-read (lower is better)")
+    ax.set_title("Long-document QA re-read (median of pairs, range; lower is better)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--doc-tokens", type=int, default=1000)
     parser.add_argument("--device-docs", type=int, default=8)
+    parser.add_argument("--device-blocks", type=int, default=0, help="overrides --device-docs")
     parser.add_argument("--host-docs", type=int, default=30)
+    parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--repeat-mode", default="random", choices=["random", "tile", "interleave"])
     parser.add_argument("--no-reuse-docs", type=int, default=24)
+    parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(RESULTS / "long_document_qa.json"))
+    parser.add_argument("--run-arm", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--arm-json", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    return parser
 
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    if args.run_arm:
+        Path(args.arm_json).write_text(json.dumps(run_arm(args)))
+        return
     shape = QUICK_SHAPE if args.quick else BENCH_SHAPE
     model = str(ensure_tiny_llama(shape))
     print(
-        f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}; "
-        f"documents of {args.doc_tokens} tokens; device cache {args.device_docs} documents, "
-        f"host tier {args.host_docs}; repeat order {args.repeat_mode}"
+        f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}; documents "
+        f"of {args.doc_tokens} tokens; device cache "
+        f"{args.device_blocks or args.device_docs * -(-args.doc_tokens // BLOCK_SIZE)} blocks, "
+        f"host tier {args.host_docs} documents; repeat order {args.repeat_mode}; "
+        f"{args.pairs} pairs of fresh engines, started alternately"
     )
-    base = run_mode(model, False, args, shape, args.docs)
-    off = run_mode(model, True, args, shape, args.docs)
-    ratios = _print(base, off)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "long_document_qa.json"
+    argv = [
+        "--model", model, "--docs", *map(str, args.docs), "--doc-tokens", str(args.doc_tokens),
+        "--device-docs", str(args.device_docs), "--device-blocks", str(args.device_blocks),
+        "--host-docs", str(args.host_docs), "--max-tokens", str(args.max_tokens),
+        "--repeat-mode", args.repeat_mode, "--no-reuse-docs", str(args.no_reuse_docs),
+        *(["--quick"] if args.quick else []),
+    ]  # fmt: skip
+    pairs = []
+    for i in range(args.pairs):
+        order = ARMS if i % 2 == 0 else ARMS[::-1]
+        pair = {}
+        for arm in order:
+            t0 = time.perf_counter()
+            pair[arm] = _spawn_arm(arm, argv)
+            print(f"pair {i + 1}: {arm} done in {time.perf_counter() - t0:.0f} s", flush=True)
+        pairs.append(pair)
+    summary = summarize(pairs)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "model": asdict(shape),
-                "prefix_caching": base,
-                "cpu_offload": off,
-                "ratios": ratios,
-            },
-            indent=1,
-        )
+        json.dumps({"args": vars(args), "model": asdict(shape), "summary": summary, "pairs": pairs})
     )
     print(f"json: {out}")
-    _plot(base, off, RESULTS / "long_document_qa.png")
+    _plot(summary, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
