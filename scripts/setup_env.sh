@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
+# An editable install does not carry the package's .pth (a wheel does, see setup.py): write it.
+write_pth() { "$VENV/bin/python" -c "import vllm_cpu_offload_hook as h; h.write_pth()"; }
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, vllm_cpu_offload, pytest" 2>/dev/null; then
+  write_pth
   exit 0
 fi
 python3 -m venv "$VENV"
@@ -21,4 +24,5 @@ else
   # transformers imports. Nothing here needs them.
   "$PIP" uninstall -q -y torchvision torchaudio torchcodec || true
 fi
+write_pth
 "$VENV/bin/python" -c "import vllm, vllm_cpu_offload; print('vllm', vllm.__version__)"

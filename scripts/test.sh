@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 PY="${VENV:-.venv}/bin/python"
-"$PY" -m ruff check vllm_cpu_offload tests benchmarks
-"$PY" -m mypy vllm_cpu_offload
+"$PY" -m ruff check vllm_cpu_offload vllm_cpu_offload_hook.py setup.py tests benchmarks
+"$PY" -m mypy vllm_cpu_offload vllm_cpu_offload_hook.py
 set +e
 "$PY" -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import sys
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -46,13 +47,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args()
 
+    # The flags work as LLM() keyword arguments with no import of the package by the script:
+    # the .pth hook applies the plugin when vLLM's arg_utils is imported.
+    imported_at_start = "vllm_cpu_offload" in sys.modules
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_cpu_offload.testing.tiny_model import random_token_ids
-
-    rng = random.Random(11)
-    docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
+    applied_by_vllm_import = "vllm_cpu_offload.flags" in sys.modules
     flags: dict[str, Any] = dict(enable_cpu_offload=True, swap_space=0.05) if args.offload else {}
     llm = LLM(
         args.model,
@@ -64,6 +65,10 @@ def main() -> None:
         seed=0,
         **flags,
     )
+    from vllm_cpu_offload.testing.tiny_model import random_token_ids
+
+    rng = random.Random(11)
+    docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     requests = []
     for doc in docs + docs:  # every document read twice, one request at a time
@@ -72,7 +77,12 @@ def main() -> None:
             {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
         )
     (threads,) = llm.collective_rpc(worker_threads)
-    print("RESULT " + json.dumps({"requests": requests, "worker": threads}))
+    result = {
+        "requests": requests,
+        "worker": threads,
+        "plugin": {"at_start": imported_at_start, "after_vllm": applied_by_vllm_import},
+    }
+    print("RESULT " + json.dumps(result))
     llm.llm_engine.engine_core.shutdown()
 
 

@@ -50,6 +50,8 @@ def test_worker_gets_the_same_openmp_threads_and_binding_with_the_flag(
 ) -> None:
     # vLLM reserves a core for any KV connector; ours must not change the model's cores.
     without, with_flag = runs
+    # The script never imports the package: importing vLLM applied it (the .pth hook).
+    assert with_flag["plugin"] == {"at_start": False, "after_vllm": True}
     assert with_flag["worker"] == without["worker"]
     assert with_flag["worker"]["torch_threads"] == int(without["worker"]["env"]["OMP_NUM_THREADS"])
 
