@@ -15,6 +15,10 @@ from pathlib import Path
 
 VOCAB_WORDS = 4000
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+# The words of vLLM's own long-document benchmark script (documents are "{i}hi hi hi ...",
+# warm-up prompts "This is warm up request {i}hi hi ..."), after the `w` words so that the
+# ids and weights of everything before them stay as they were.
+EXTRA_WORDS = ("hi", *(f"{i}hi" for i in range(256)), "This", "is", "warm", "up", "request")
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,12 @@ def cache_root() -> Path:
 
 
 def vocabulary() -> list[str]:
-    """Special tokens, then the words `w0 .. w{VOCAB_WORDS-1}`."""
-    return [*SPECIAL_TOKENS, *(f"w{i}" for i in range(VOCAB_WORDS))]
+    """Special tokens, the words `w0 .. w{VOCAB_WORDS-1}`, then `EXTRA_WORDS`."""
+    return [*SPECIAL_TOKENS, *(f"w{i}" for i in range(VOCAB_WORDS)), *EXTRA_WORDS]
+
+
+def _stamp(shape: TinyLlamaShape) -> dict[str, object]:
+    return asdict(shape) | {"vocab_size": len(vocabulary())}
 
 
 def random_words(rng: random.Random, n: int) -> str:
@@ -66,13 +74,13 @@ def ensure_tiny_llama(shape: TinyLlamaShape = TEST_SHAPE, root: Path | None = No
     """Returns the folder of the model of `shape`, generating it on first use."""
     folder = (root or cache_root()) / "models" / shape.name
     stamp = folder / "shape.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == asdict(shape):
+    if stamp.exists() and json.loads(stamp.read_text()) == _stamp(shape):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(folder)
     _write_config(folder, shape)
     _write_weights(folder, shape)
-    stamp.write_text(json.dumps(asdict(shape)))  # last: a half-written folder is redone
+    stamp.write_text(json.dumps(_stamp(shape)))  # last: a half-written folder is redone
     return folder
 
 
@@ -136,15 +144,15 @@ def _write_weights(folder: Path, shape: TinyLlamaShape) -> None:
     h, i = shape.hidden_size, shape.intermediate_size
     head_dim = h // shape.num_heads
     kv = shape.num_kv_heads * head_dim
-    vocab = len(vocabulary())
+    base = len(vocabulary()) - len(EXTRA_WORDS)
 
     def rand(*dims: int) -> torch.Tensor:
         return (torch.randn(*dims, generator=gen) * dims[-1] ** -0.5).to(torch.bfloat16)
 
     tensors = {
-        "model.embed_tokens.weight": rand(vocab, h),
+        "model.embed_tokens.weight": rand(base, h),
         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-        "lm_head.weight": rand(vocab, h),
+        "lm_head.weight": rand(base, h),
     }
     for layer in range(shape.num_layers):
         p = f"model.layers.{layer}."
@@ -159,6 +167,9 @@ def _write_weights(folder: Path, shape: TinyLlamaShape) -> None:
             p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
         }
+    # The extra words' rows come last from the generator: every other weight is unchanged.
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = torch.cat([tensors[name], rand(len(EXTRA_WORDS), h)])
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -7,7 +7,11 @@ byte range: evicting, copying or hashing a block never touches another block's m
     byte of (host block h, layer l, run c) = h * block_bytes + slot_offset[l] + c * chunk_bytes
 
 Pinned (page-locked and mapped) when CUDA is available, so device kernels read and write it
-directly; plain memory on the CPU platform. Pinning registers an ordinary allocation with
+directly; plain memory on the CPU platform, written once at allocation so that every page is
+backed from the start: a store into a page never touched costs a page fault per 4 KiB
+(measured in a vLLM CPU worker: 5-36 ms for a 1,000-token document of the 8-layer benchmark
+model, against 1.3 ms once its pages exist), and memory the host cannot back fails at start,
+not in the middle of serving. Pinning registers an ordinary allocation with
 `cudaHostRegister` instead of asking torch for pinned memory: torch's pinned allocator rounds
 every request up to a power of two, so a 40 GiB `--swap-space` would lock 64 GiB.
 The same layout can live in device memory (`device=`): a few blocks of staging for copies
@@ -122,7 +126,9 @@ class HostBuffer:
 
 def _allocate(num_blocks: int, block_bytes: int) -> torch.Tensor:
     try:
-        return torch.empty((num_blocks, block_bytes), dtype=torch.uint8)
+        tensor = torch.empty((num_blocks, block_bytes), dtype=torch.uint8)
+        tensor.fill_(0)  # backs every page now (pinning does the same on CUDA)
+        return tensor
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
         raise _error(num_blocks * block_bytes, "host", f"the allocation failed: {e}") from e
 
