@@ -300,7 +300,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(xs), [str(r["docs"]) for r in rows])
     ax.set_xlabel("documents")
     ax.set_ylabel("re-read phase, seconds")
-    ax.set_title("Long-document QA re-read (median of pairs, range; lower is better)")
+    ax.set_title("Long-document QA re-read (median of pairs and range)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

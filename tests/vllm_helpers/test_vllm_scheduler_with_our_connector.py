@@ -1,0 +1,227 @@
+"""vLLM's own Scheduler with our connector, driven by vLLM's connector test helpers.
+
+The helpers come from vLLM 0.32.0's tests (`tests/v1/kv_connector/unit/utils.py` of its
+source distribution, fetched by `scripts/fetch_vllm_sdist.sh`): `create_vllm_config`,
+`create_scheduler`, `create_request`, `create_model_runner_output`, `assert_scheduler_empty`.
+A scheduler-role connector (inside vLLM's Scheduler) and a worker-role connector on CPU
+tensors are paired; each step the worker's report goes back into the Scheduler.
+
+The "forward pass" writes each computed token's id into its KV slot, and checks first that
+every slot the step reads as already computed (device hit, host load, or earlier step)
+holds its token's id. So a wrong load, a block freed too early or a stale host block shows
+as a wrong value, whichever path brought it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+BLOCK_SIZE = 32
+DEVICE_BLOCKS = 24
+HOST_BLOCKS = 64
+PAGE_BYTES = BLOCK_SIZE * 2 * 4  # one layer, one KV head, head size 1, K and V, fp32
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _vllm_test_utils() -> ModuleType:
+    """vLLM's tests/v1/kv_connector/unit/utils.py, loaded under a name of its own (our
+    tests package is also called `tests`)."""
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "fetch_vllm_sdist.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"vLLM's source distribution could not be fetched: {proc.stderr[-300:]}")
+    path = Path(proc.stdout.strip()) / "tests" / "v1" / "kv_connector" / "unit" / "utils.py"
+    spec = importlib.util.spec_from_file_location("vllm_kv_connector_test_utils", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def vllm_utils() -> ModuleType:
+    return _vllm_test_utils()
+
+
+class Engine:
+    """vLLM's Scheduler (with our scheduler-role connector) and our worker-role connector."""
+
+    def __init__(self, utils: ModuleType, model: str) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+
+        from vllm_cpu_offload.connector import CPUOffloadConnector
+
+        self.utils = utils
+        config = utils.create_vllm_config(
+            model=model,
+            block_size=BLOCK_SIZE,
+            max_num_batched_tokens=256,
+            max_model_len=1024,
+            kv_connector="CPUOffloadConnector",
+            kv_connector_module_path="vllm_cpu_offload.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"swap_space_gib": HOST_BLOCKS * PAGE_BYTES / (1 << 30)},
+            kv_load_failure_policy="recompute",
+        )
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+        )
+        kv_config = KVCacheConfig(
+            num_blocks=DEVICE_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+        )
+        self.scheduler = utils.create_scheduler(
+            config, num_blocks=DEVICE_BLOCKS, kv_cache_config=kv_config
+        )
+        self.tier = self.scheduler.connector.scheduler
+        # vLLM's CPU layout of one layer: [blocks, kv heads, block size, 2 * head size].
+        self.kv = torch.full((DEVICE_BLOCKS, 1, BLOCK_SIZE, 2), -1.0)
+        self.worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
+        self.worker.register_kv_caches({"layer": self.kv})
+        self.checked_slots = 0
+        self.invalid_blocks = 0
+
+    def _forward(self, num_scheduled: dict[str, int]) -> set[int]:
+        """Checks the slots read as computed, writes the computed ones; returns the device
+        blocks whose slots were wrong."""
+        manager = self.scheduler.kv_cache_manager
+        wrong: set[int] = set()
+        for req_id, count in num_scheduled.items():
+            request = self.scheduler.requests[req_id]
+            (block_ids,) = manager.get_block_ids(req_id)
+            done = request.num_computed_tokens - count  # schedule() already advanced it
+            tokens = request.all_token_ids
+            for pos in range(done + count):
+                block = block_ids[pos // BLOCK_SIZE]
+                slot = self.kv[block, 0, pos % BLOCK_SIZE]
+                if pos >= done:
+                    slot.fill_(float(tokens[pos]))
+                elif slot[0].item() != tokens[pos]:
+                    wrong.add(block)
+                else:
+                    self.checked_slots += 1
+        return wrong
+
+    def step(self) -> Any:
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        self.worker.handle_preemptions(meta)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        self.worker.wait_for_layer_load("layer")
+        wrong = self._forward(out.num_scheduled_tokens)
+        self.worker.save_kv_layer("layer", self.kv, None)  # type: ignore[arg-type]
+        self.worker.wait_for_save()
+        finished_sending, _ = self.worker.get_finished(set(out.finished_req_ids))
+        invalid = self.worker.get_block_ids_with_load_errors()
+        # Only blocks whose load failed may be wrong; vLLM discards this step's output for
+        # their requests and recomputes them.
+        assert wrong <= invalid, f"wrong KV in device blocks {sorted(wrong - invalid)}"
+        self.invalid_blocks += len(invalid)
+        report = self.worker.build_connector_worker_meta()
+        self.worker.clear_connector_metadata()
+        requests = [self.scheduler.requests[r] for r in out.num_scheduled_tokens]
+        output = self.utils.create_model_runner_output(
+            requests,
+            finished_sending=finished_sending,
+            invalid_block_ids=invalid or None,
+            kv_connector_worker_meta=report,
+        )
+        return self.scheduler.update_from_output(out, output)
+
+    def run(self, *requests: Any, max_steps: int = 400) -> None:
+        for request in requests:
+            self.scheduler.add_request(request)
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def request(self, seed: int, num_tokens: int, max_tokens: int = 8) -> Any:
+        request = self.utils.create_request(
+            request_id=seed, num_tokens=num_tokens, max_tokens=max_tokens, block_size=BLOCK_SIZE
+        )
+        return request
+
+
+@pytest.fixture
+def engine(vllm_utils: ModuleType, tiny_model: str) -> Iterator[Engine]:
+    engine = Engine(vllm_utils, tiny_model)
+    yield engine
+    engine.worker.shutdown()
+
+
+def _assert_drained(engine: Engine) -> None:
+    engine.utils.assert_scheduler_empty(engine.scheduler)
+    assert engine.tier.num_jobs_in_flight == 0
+    assert engine.tier.pool.num_pinned == 0 and engine.tier.pool.num_storing == 0
+
+
+def test_lifecycle_drains_the_scheduler_empty(engine: Engine) -> None:
+    # Requests prefill, decode past block boundaries (stores) and finish: nothing leaks.
+    engine.run(*(engine.request(i, 3 * BLOCK_SIZE + 5, max_tokens=40) for i in range(1, 4)))
+    _assert_drained(engine)
+    assert engine.tier.stats.stored_blocks >= 3 * 4
+
+
+def test_evicted_prefix_comes_back_from_the_host_tier(engine: Engine) -> None:
+    # A's blocks are flushed from the 24-block device cache by B..F; A again loads them
+    # from host, and every loaded slot holds the right token.
+    engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
+    for seed in (2, 3, 4, 5, 6):
+        engine.run(engine.request(seed, 6 * BLOCK_SIZE))
+    loaded, checked = engine.tier.stats.loaded_blocks, engine.checked_slots
+    again = engine.request(1, 5 * BLOCK_SIZE + 3)
+    engine.run(again)
+    assert engine.tier.stats.loaded_blocks - loaded == 5
+    assert engine.checked_slots - checked >= 5 * BLOCK_SIZE
+    _assert_drained(engine)
+
+
+def test_failed_loads_are_recomputed_through_vllms_invalid_blocks(engine: Engine) -> None:
+    # Stores succeed, then every load fails on the worker (the test-only fault injector):
+    # vLLM's invalid-block path recomputes the blocks and the request finishes with right KV.
+    from vllm_cpu_offload.worker.fault_injection import FaultInjector
+
+    engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
+    for seed in (2, 3, 4, 5, 6):
+        engine.run(engine.request(seed, 6 * BLOCK_SIZE))
+    assert engine.worker.worker is not None
+    engine.worker.worker._faults = FaultInjector(1.0)
+    again = engine.request(1, 5 * BLOCK_SIZE + 3)
+    engine.run(again)
+    assert engine.tier.stats.failed_loads == 1 and engine.invalid_blocks == 5
+    assert len(again.output_token_ids) == 8
+    _assert_drained(engine)
+
+
+def test_preemption_under_pressure_keeps_every_slot_right(engine: Engine) -> None:
+    # Five requests whose decodes outgrow the device cache: vLLM preempts and resumes them
+    # (resumed ones may load their stored blocks back); every request finishes.
+    requests = [engine.request(10 + i, 3 * BLOCK_SIZE + 5, max_tokens=120) for i in range(5)]
+    engine.run(*requests, max_steps=2000)
+    assert engine.tier.stats.preempted_requests > 0, "the scenario did not preempt"
+    assert all(len(r.output_token_ids) == 120 for r in requests)
+    _assert_drained(engine)
