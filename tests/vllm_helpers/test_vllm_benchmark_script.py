@@ -16,20 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 CONNECTOR_LINE = "Creating v1 connector with name: CPUOffloadConnector"
-
-
-def _script() -> Path:
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "fetch_vllm_sdist.sh")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"vLLM's source distribution could not be fetched: {proc.stderr[-300:]}")
-    return Path(proc.stdout.strip()) / "benchmarks" / "benchmark_long_document_qa_throughput.py"
 
 
 def _run(script: Path, model: str, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -47,9 +34,11 @@ def _run(script: Path, model: str, *flags: str) -> subprocess.CompletedProcess[s
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd="/")
 
 
-def test_vllms_long_document_script_takes_the_flags_by_plain_python(tiny_model: str) -> None:
+def test_vllms_long_document_script_takes_the_flags_by_plain_python(
+    tiny_model: str, vllm_sdist: Path
+) -> None:
     # The flags are appended to vLLM's own script; it runs, and the host tier is engaged.
-    script = _script()
+    script = vllm_sdist / "benchmarks" / "benchmark_long_document_qa_throughput.py"
     with_flags = _run(script, tiny_model, "--enable-cpu-offload", "--swap-space", "0.05")
     assert with_flags.returncode == 0, with_flags.stderr[-3000:]
     assert with_flags.stdout.count("Time to execute all requests") == 2

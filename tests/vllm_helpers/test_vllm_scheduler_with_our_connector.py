@@ -15,7 +15,6 @@ as a wrong value, whichever path brought it.
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -31,31 +30,18 @@ BLOCK_SIZE = 32
 DEVICE_BLOCKS = 24
 HOST_BLOCKS = 64
 PAGE_BYTES = BLOCK_SIZE * 2 * 4  # one layer, one KV head, head size 1, K and V, fp32
-REPO = Path(__file__).resolve().parents[2]
 
 
-def _vllm_test_utils() -> ModuleType:
+@pytest.fixture(scope="module")
+def vllm_utils(vllm_sdist: Path) -> ModuleType:
     """vLLM's tests/v1/kv_connector/unit/utils.py, loaded under a name of its own (our
     tests package is also called `tests`)."""
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "fetch_vllm_sdist.sh")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"vLLM's source distribution could not be fetched: {proc.stderr[-300:]}")
-    path = Path(proc.stdout.strip()) / "tests" / "v1" / "kv_connector" / "unit" / "utils.py"
+    path = vllm_sdist / "tests" / "v1" / "kv_connector" / "unit" / "utils.py"
     spec = importlib.util.spec_from_file_location("vllm_kv_connector_test_utils", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def vllm_utils() -> ModuleType:
-    return _vllm_test_utils()
 
 
 class Engine:

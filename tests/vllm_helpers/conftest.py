@@ -1,0 +1,22 @@
+"""vLLM 0.32.0's source distribution (its tests/ and benchmarks/), fetched once per session."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def vllm_sdist() -> Path:
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "fetch_vllm_sdist.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"fetching vLLM's source distribution failed: {proc.stderr}"
+    return Path(proc.stdout.strip())
