@@ -32,6 +32,11 @@ DEFAULT_COPY_BACKEND = "auto"
 GIB = 1 << 30
 
 
+def names_our_connector(kv_transfer_config: Any) -> bool:
+    """Whether a vLLM `kv_transfer_config` (or None) selects this package's connector."""
+    return kv_transfer_config is not None and kv_transfer_config.kv_connector == CONNECTOR_NAME
+
+
 class OffloadConfigError(ValueError):
     """Bad user input for the host tier; the message is one line and names the fix."""
 

@@ -33,6 +33,7 @@ from vllm_cpu_offload.config import (
     OffloadConfig,
     OffloadConfigError,
     check_fits_in_host_memory,
+    names_our_connector,
     parse_swap_space,
 )
 
@@ -62,7 +63,7 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     enabled = bool(getattr(engine_args, "enable_cpu_offload", False))
     swap_space = getattr(engine_args, "swap_space", None)
     ktc = engine_args.kv_transfer_config
-    names_ours = ktc is not None and ktc.kv_connector == CONNECTOR_NAME
+    names_ours = names_our_connector(ktc)
     if not enabled:
         if swap_space is not None:
             raise OffloadConfigError(

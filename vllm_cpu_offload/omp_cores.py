@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_cpu_offload.config import CONNECTOR_NAME
+from vllm_cpu_offload.config import names_our_connector
 
 PATCH_NAME = "omp_core_reservation"
 _PATCHED_MARK = "_vllm_cpu_offload_patched"
@@ -38,11 +38,6 @@ class _ConfigWithoutConnector:
         return getattr(self._config, name)
 
 
-def names_our_connector(config: Any) -> bool:
-    ktc = getattr(config, "kv_transfer_config", None)
-    return ktc is not None and ktc.kv_connector == CONNECTOR_NAME
-
-
 def apply() -> None:
     """Applies the patch once per process; the caller has checked the vLLM version."""
     from vllm.utils.ompmultiprocessing import OMPProcessManager
@@ -53,7 +48,8 @@ def apply() -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, config: Any) -> None:
-        view = _ConfigWithoutConnector(config) if names_our_connector(config) else config
+        ours = names_our_connector(config.kv_transfer_config)
+        view = _ConfigWithoutConnector(config) if ours else config
         original(self, view)  # type: ignore[arg-type]  # reads only what the view forwards
 
     OMPProcessManager.__init__ = __init__  # type: ignore[method-assign]

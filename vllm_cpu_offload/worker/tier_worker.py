@@ -88,10 +88,14 @@ class HostTierWorker:
         """The transfers to run; the test-only injector fails the others, uncopied."""
         if self._faults is None:
             return transfers
-        kept = [t for t in transfers if not self._faults.fails()]
-        if len(kept) < len(transfers):
-            kept_ids = {t.job_id for t in kept}
-            failed = {t.job_id for t in transfers if t.job_id not in kept_ids}
+        kept: list[BlockTransfer] = []
+        failed: set[int] = set()
+        for t in transfers:
+            if self._faults.fails():
+                failed.add(t.job_id)
+            else:
+                kept.append(t)
+        if failed:
             self._collect(FinishedJobs(failed=failed))
         return kept
 
