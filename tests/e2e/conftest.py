@@ -9,7 +9,10 @@ blocks are evicted from it and must come back from host memory.
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +25,20 @@ from tests.conftest import BLOCK_SIZE  # noqa: E402
 DEVICE_BLOCKS = 24  # 768 tokens of device KV cache
 HOST_GIB = 0.01  # 163 blocks of the tiny model (64 KiB each)
 MAX_MODEL_LEN = 512
+
+
+def script_result(module: str, *args: str, env: dict[str, str], timeout: float) -> Any:
+    """Runs `python -m module args` in a fresh process; returns the JSON of its RESULT line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def make_llm(model: str, offload: bool, **overrides: Any) -> Any:

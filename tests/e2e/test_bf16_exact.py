@@ -7,15 +7,13 @@ a user; the worker reports its threads and binding from inside.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
 from tests.conftest import BLOCK_SIZE
+from tests.e2e.conftest import script_result
 
 pytestmark = pytest.mark.e2e
 
@@ -28,16 +26,8 @@ def _run(model: str, *flags: str) -> dict[str, Any]:
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine runs as a user runs it
     for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
         env.pop(name, None)  # vLLM's own default binding, in both arms
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "tests.e2e.long_document_run", model,
-            "--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), *flags,
-        ],
-        capture_output=True, text=True, timeout=400, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return dict(json.loads(line.removeprefix("RESULT ")))
+    args = ("--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), *flags)
+    return dict(script_result("tests.e2e.long_document_run", model, *args, env=env, timeout=400))
 
 
 @pytest.fixture(scope="module")

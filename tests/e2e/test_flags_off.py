@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.e2e.conftest import script_result
 
 pytestmark = pytest.mark.e2e
 
@@ -17,16 +16,7 @@ def _generate(model: str, plugins: str | None) -> dict:
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.generate_tokens", model],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return dict(script_result("tests.e2e.generate_tokens", model, env=env, timeout=300))
 
 
 def test_flags_off_equals_vllm_without_the_plugin(tiny_model: str) -> None:
