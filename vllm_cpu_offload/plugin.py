@@ -8,14 +8,30 @@ from __future__ import annotations
 
 from vllm_cpu_offload.config import CONNECTOR_MODULE, CONNECTOR_NAME
 
+_warned = False
+
 
 def register() -> None:
-    """Registers the connector, adds the two engine flags, keeps the model's cores as without."""
+    """Registers the connector, adds the two engine flags, keeps the model's cores as without.
+
+    On a vLLM release the package is not tested against it patches nothing and says so once
+    per process: vLLM then runs exactly as without the package, and the two flags are
+    unknown to it.
+    """
+    global _warned
+    import vllm
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.logger import init_logger
 
     from vllm_cpu_offload import flags, omp_cores
 
-    flags.apply()  # checks the vLLM version first
+    reason = flags.unsupported_vllm(vllm.__version__)
+    if reason is not None:
+        if not _warned:
+            init_logger(__name__).warning("%s; --enable-cpu-offload is unavailable", reason)
+            _warned = True
+        return
+    flags.apply()
     omp_cores.apply()
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

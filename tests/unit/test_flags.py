@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -142,8 +146,37 @@ def test_flags_keep_the_advanced_routes_other_keys_and_recompute_failed_loads() 
     assert built.kv_connector_extra_config["copy_backend"] == "dma"
 
 
-def test_version_check_refuses_other_versions() -> None:
-    # The patch names the version it was written for and refuses any other.
-    flags.check_vllm_version("0.32.0")
-    with pytest.raises(RuntimeError, match="written for vLLM 0.32.0 but vLLM 0.33.0"):
-        flags.check_vllm_version("0.33.0")
+def test_version_check_takes_the_tested_releases_and_refuses_others() -> None:
+    # The patch takes the releases it is tested against (any local build of them) and
+    # refuses any other, naming the supported ones and what to install.
+    for version in ("0.32.0", "0.32.0+cpu", "0.33.0", "0.33.0+cu130"):
+        flags.check_vllm_version(version)
+    for version in ("0.31.2", "0.33.1", "0.34.0", "0.33.0rc1"):
+        with pytest.raises(RuntimeError, match="supports vLLM 0.32.0 and 0.33.0 but vLLM 0"):
+            flags.check_vllm_version(version)
+    assert "install vllm==0.33.0" in (flags.unsupported_vllm("0.34.0") or "")
+
+
+def test_an_untested_vllm_release_is_left_as_it_is() -> None:
+    # On a vLLM release the package is not tested against, the plugin patches nothing (vLLM
+    # runs as without the package) and says once which releases it supports.
+    script = (
+        "import vllm; vllm.__version__ = '0.34.0'\n"
+        "from vllm_cpu_offload import flags, omp_cores, plugin\n"
+        "plugin.register(); plugin.register()\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "print('RESULT', flags.applied(), omp_cores.applied(), "
+        "hasattr(EngineArgs(model='m'), 'enable_cpu_offload'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_PLUGINS": "none"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "RESULT False False False" in proc.stdout
+    warnings = [line for line in proc.stderr.splitlines() if "supports vLLM" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert "vLLM 0.34.0 is installed; install vllm==0.33.0" in warnings[0]

@@ -20,7 +20,10 @@ plugin.register()
 
 def _config(connector: str | None, world_size: int = 1) -> Any:
     parallel = SimpleNamespace(
-        local_world_size=world_size, data_parallel_rank_local=None, _api_process_count=1
+        local_world_size=world_size,
+        data_parallel_rank_local=None,
+        _api_process_count=1,
+        assigned_physical_gpu_ids=None,  # read by vLLM 0.33's manager
     )
     ktc = None if connector is None else KVTransferConfig(kv_connector=connector, kv_role="kv_both")
     return SimpleNamespace(parallel_config=parallel, kv_transfer_config=ktc)

@@ -1,4 +1,5 @@
-"""vLLM 0.32.0's source distribution (its tests/ and benchmarks/), fetched once per session."""
+"""The source distribution (its tests/ and benchmarks/) of the installed vLLM, fetched once
+per session."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def vllm_sdist() -> Path:
+    import vllm
+
+    version = vllm.__version__.split("+")[0]
     proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "fetch_vllm_sdist.sh")],
+        ["bash", str(REPO / "scripts" / "fetch_vllm_sdist.sh"), version],
         capture_output=True,
         text=True,
         timeout=600,

@@ -211,3 +211,24 @@ def test_preemption_under_pressure_keeps_every_slot_right(engine: Engine) -> Non
     assert engine.tier.stats.preempted_requests > 0, "the scenario did not preempt"
     assert all(len(r.output_token_ids) == 120 for r in requests)
     _assert_drained(engine)
+
+
+def test_sleep_sequence_empties_the_tier_and_keeps_every_slot_right(engine: Engine) -> None:
+    # vLLM 0.33's sleep (levels 1-2): pause and reset the prefix cache with the connector's
+    # (scheduler side), unregister_kv_caches (worker), the KV memory is released (its contents
+    # are gone), then restore_kv_caches on wake-up. The host tier must be empty afterwards
+    # (its blocks may belong to replaced weights), and a re-read recomputes rather than loads.
+    engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
+    for seed in (2, 3, 4, 5, 6):
+        engine.run(engine.request(seed, 6 * BLOCK_SIZE))
+    assert len(engine.tier.pool) > 0
+    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    engine.worker.unregister_kv_caches()
+    engine.kv.fill_(-1.0)  # what the device memory holds after wake-up is undefined
+    engine.worker.restore_kv_caches()
+    assert len(engine.tier.pool) == 0
+    loaded, stored = engine.tier.stats.loaded_blocks, engine.tier.stats.stored_blocks
+    engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
+    assert engine.tier.stats.loaded_blocks == loaded  # recomputed, checked slot by slot
+    assert engine.tier.stats.stored_blocks > stored  # and the tier fills again
+    _assert_drained(engine)

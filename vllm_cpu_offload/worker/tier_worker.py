@@ -166,6 +166,10 @@ class HostTierWorker:
         self._load_seconds = self._store_seconds = 0.0
         return stats
 
-    def shutdown(self) -> None:
+    def drain(self) -> None:
+        """Waits for every copy in flight; their results are reported as usual."""
         if self.engine is not None:
             self.engine.wait_all()
+
+    def shutdown(self) -> None:
+        self.drain()
