@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The test command: lint, type check, then every test on real vLLM (CPU platform).
+# The test command: lint, type check, then every test on real vLLM (CPU platform). With no
+# arguments it then runs vLLM 0.32.0's own test suite with the plugin loaded
+# (tests/vllm_suite) and the package against vLLM 0.33.0 (scripts/test_vllm033.sh).
+# Arguments go to pytest and run only what they name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -11,4 +14,8 @@ set +e
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "no tests ran"; exit 1; fi
-exit "$rc"
+if [ "$rc" -ne 0 ] || [ "$#" -gt 0 ]; then exit "$rc"; fi
+echo "== vLLM 0.32.0's own tests, plugin loaded"
+"$PY" -m tests.vllm_suite.run
+echo "== vLLM 0.33.0"
+bash scripts/test_vllm033.sh

@@ -3,10 +3,13 @@
 vLLM applies its general plugins only when it builds EngineArgs, and the import hook only when
 `vllm.engine.arg_utils` is imported, so a run of vLLM's unit tests might never load ours and a
 "plugin loaded" count would silently be a plain one. `-p vllm_cpu_offload.testing.vllm_suite_plugin`
-applies the plugin before collection and fails the session if it is not in place at the end.
+applies the plugin before collection and fails any test after which it is no longer in place
+(checked per test, so that it also holds in pytest-xdist's worker processes, where the tests run).
 """
 
 from __future__ import annotations
+
+from collections.abc import Generator
 
 import pytest
 
@@ -34,8 +37,14 @@ def pytest_configure(config: pytest.Config) -> None:
     register()
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    missing = plugin_in_place()
-    if missing:
-        print(f"\nvllm_cpu_offload was not in place at the end: {', '.join(missing)}")
-        session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if call.when == "teardown" and report.passed:
+        missing = plugin_in_place()
+        if missing:
+            report.outcome = "failed"
+            report.longrepr = f"vllm_cpu_offload is no longer in place: {', '.join(missing)}"
+    return report
