@@ -17,7 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
+from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_cpu_offload.config import GIB, OffloadConfig, OffloadConfigError
@@ -25,8 +27,11 @@ from vllm_cpu_offload.events import to_kv_events
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadPromMetrics, OffloadStats, SchedulerStatsReporter
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
+from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
 from vllm_cpu_offload.scheduler.policies import make_policy
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
+
+logger = init_logger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,7 +54,14 @@ if TYPE_CHECKING:
 
 
 def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
-    """KV bytes of one block over all layers of this worker's shard."""
+    """KV bytes of one device block id over all KV tensors of this worker's shard.
+
+    That is what one host block holds. With the hybrid KV cache manager, layers of
+    different groups share tensors and a block id belongs to one group, so a block is one
+    slice of each tensor, not one page per layer of the model.
+    """
+    if kv_cache_config.kv_cache_tensors and kv_cache_config.num_blocks:
+        return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
     return sum(
         group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         for group in kv_cache_config.kv_cache_groups
@@ -68,8 +80,11 @@ def num_host_blocks_for(config: OffloadConfig, block_bytes: int) -> int:
     return blocks
 
 
-class CPUOffloadConnector(KVConnectorBase_V1):
-    """Keeps evicted KV blocks in host memory and loads them back within the step."""
+class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """Keeps evicted KV blocks in host memory and loads them back within the step.
+
+    Supports vLLM's hybrid KV cache manager (full and sliding-window attention groups).
+    """
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -88,7 +103,11 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         self._stats_reporter = SchedulerStatsReporter()
         self.scheduler: HostTierScheduler | None = None
         self.worker: HostTierWorker | None = None
+        block_size = vllm_config.cache_config.block_size
+        self.kv_groups = kv_groups_of(kv_cache_config, block_size)
         if role == KVConnectorRole.SCHEDULER:
+            if len(self.kv_groups) > 1:
+                logger.info("CPU offload serves KV cache groups: %s", describe(self.kv_groups))
             pool = HostBlockPool(
                 self.num_host_blocks,
                 make_policy(self.offload_config.eviction_policy, self.num_host_blocks),
@@ -96,9 +115,10 @@ class CPUOffloadConnector(KVConnectorBase_V1):
             parallel = vllm_config.parallel_config
             self.scheduler = HostTierScheduler(
                 pool,
-                block_size=vllm_config.cache_config.block_size,
+                block_size=block_size,
                 num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
                 block_bytes=block_bytes,
+                groups=self.kv_groups,
             )
         else:
             from vllm_cpu_offload.worker.tier_worker import HostTierWorker
@@ -107,6 +127,9 @@ class CPUOffloadConnector(KVConnectorBase_V1):
                 self.num_host_blocks,
                 kv_cache_config.num_blocks,
                 copy_backend=self.offload_config.copy_backend,
+                # A sliding-window group releases blocks while its request runs: a store
+                # still reading one must end before the next step's compute may reuse it.
+                fence_stores=not all(g.is_full for g in self.kv_groups),
             )
 
     def _sched(self) -> HostTierScheduler:
@@ -213,7 +236,7 @@ class CPUOffloadConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        block_ids = blocks.get_block_ids() if num_external_tokens else ()
         self._sched().update_state_after_alloc(request, block_ids, num_external_tokens)
 
     @override
@@ -235,6 +258,13 @@ class CPUOffloadConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request), None
+
+    @override
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # The stores hold every group's blocks alike: one answer for the request.
         return self._sched().request_finished(request), None
 
     @override

@@ -7,7 +7,8 @@ vLLM 0.32 and 0.33 have no extension point for engine flags, so this module wrap
 - `add_cli_args` adds the two flags to every parser vLLM builds (`vllm serve` included);
 - `from_cli_args` copies them from the parsed namespace and validates them, printing a
   one-line error and exiting before anything starts;
-- `create_engine_config` turns them into a `kv_transfer_config` naming our connector.
+- `create_engine_config` turns them into a `kv_transfer_config` naming our connector, and
+  refuses a model the host tier cannot serve (Mamba-style state).
 
 `check_vllm_version` refuses any vLLM but those this patch was written and tested for.
 
@@ -105,6 +106,20 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     return config
 
 
+def check_model(model_config: Any) -> None:
+    """Refuses a model whose state the host tier cannot hold, before the engine starts.
+
+    Mamba and other state-space layers keep one running state per request instead of KV
+    blocks per token; the host tier holds blocks only.
+    """
+    if model_config.is_attention_free or model_config.is_hybrid:
+        kind = "attention-free" if model_config.is_attention_free else "hybrid state-space"
+        raise OffloadConfigError(
+            f"--enable-cpu-offload holds attention KV blocks, but {model_config.model} is a "
+            f"{kind} (Mamba-style) model; drop --enable-cpu-offload"
+        )
+
+
 def _kv_transfer_config_for(config: OffloadConfig, previous: Any) -> Any:
     from vllm.config.kv_transfer import KVTransferConfig
 
@@ -176,6 +191,7 @@ def apply() -> None:
         engine_args = original_from_cli(cls, args)
         engine_args.enable_cpu_offload = bool(getattr(args, "enable_cpu_offload", False))
         engine_args.swap_space = getattr(args, "swap_space", None)
+        engine_args._cpu_offload_from_cli = True
         try:
             resolve_offload(engine_args)
         except OffloadConfigError as e:
@@ -192,7 +208,17 @@ def apply() -> None:
         config = resolve_offload(self)
         if config is not None:
             self.kv_transfer_config = _kv_transfer_config_for(config, self.kv_transfer_config)
-        return original_create(self, *args, **kwargs)
+        vllm_config = original_create(self, *args, **kwargs)
+        if config is not None:
+            try:
+                check_model(vllm_config.model_config)
+            except OffloadConfigError as e:
+                if not getattr(self, "_cpu_offload_from_cli", False):
+                    raise
+                # From the command line: one line and exit, as from_cli_args does.
+                print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
+        return vllm_config
 
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
     setattr(EngineArgs, _PATCHED_MARK, True)

@@ -36,6 +36,12 @@ def worker_threads(worker: Any) -> dict[str, Any]:
     }
 
 
+def kv_cache_groups(worker: Any) -> list[str]:
+    """The kinds of the KV cache groups the worker's model runner allocated."""
+    groups = worker.model_runner.kv_cache_config.kv_cache_groups
+    return [type(group.kv_cache_spec).__name__ for group in groups]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -77,9 +83,11 @@ def main() -> None:
             {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
         )
     (threads,) = llm.collective_rpc(worker_threads)
+    (groups,) = llm.collective_rpc(kv_cache_groups)
     result = {
         "requests": requests,
         "worker": threads,
+        "kv_cache_groups": groups,
         "plugin": {"at_start": imported_at_start, "after_vllm": applied_by_vllm_import},
     }
     print("RESULT " + json.dumps(result))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +182,60 @@ def test_an_untested_vllm_release_is_left_as_it_is() -> None:
     warnings = [line for line in proc.stderr.splitlines() if "supports vLLM" in line]
     assert len(warnings) == 1, proc.stderr
     assert "vLLM 0.34.0 is installed; install vllm==0.33.0" in warnings[0]
+
+
+@pytest.fixture(scope="module")
+def state_space_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Jamba config (Mamba layers between attention layers) with the tiny tokenizer.
+
+    vLLM 0.32's CPU platform cannot run one (its Mamba mixer fails in the first forward),
+    so the flags refuse such models before the engine starts.
+    """
+    from transformers import JambaConfig
+
+    folder = tmp_path_factory.mktemp("jamba")
+    JambaConfig(
+        vocab_size=4262,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=1,
+        expert_layer_period=100,
+        expert_layer_offset=99,
+        use_mamba_kernels=False,
+    ).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(Path(tiny_model) / name, folder)
+    return str(folder)
+
+
+def test_state_space_model_is_refused_before_the_engine_starts(state_space_model: str) -> None:
+    # LLM(...) and EngineArgs: a one-line OffloadConfigError from create_engine_config.
+    args = EngineArgs(model=state_space_model, enable_cpu_offload=True, swap_space="0.01")  # type: ignore[call-arg]
+    with pytest.raises(OffloadConfigError, match="hybrid state-space") as info:
+        args.create_engine_config()
+    assert "\n" not in str(info.value) and "drop --enable-cpu-offload" in str(info.value)
+    # Without the flag nothing is refused: vLLM decides on its own.
+    EngineArgs(model=state_space_model).create_engine_config()
+
+
+def test_state_space_model_on_the_command_line_is_one_line_and_exit_2(
+    state_space_model: str,
+) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", state_space_model, "--enable-cpu-offload", "--swap-space", "0.01",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --enable-cpu-offload holds attention KV blocks"), last

@@ -19,13 +19,15 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.request import Request  # noqa: E402
 
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport  # noqa: E402
 from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool  # noqa: E402
+from vllm_cpu_offload.scheduler.kv_groups import kv_groups_of  # noqa: E402
 from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
-from vllm_cpu_offload.scheduler.tier_scheduler import KV_GROUP, HostTierScheduler  # noqa: E402
+from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler  # noqa: E402
 
 BS = 4  # tokens per block
 init_none_hash(sha256)
@@ -35,25 +37,37 @@ HASHER = get_request_block_hasher(BS, sha256)
 class Engine:
     """vLLM's KV manager plus our scheduler half, stepped the way vLLM's scheduler does."""
 
-    def __init__(self, host_blocks: int = 8, workers: int = 1, policy: str = "lru") -> None:
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
-        config = KVCacheConfig(
-            num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
-        )
+    def __init__(
+        self,
+        host_blocks: int = 8,
+        workers: int = 1,
+        policy: str = "lru",
+        sliding_window: int | None = None,
+    ) -> None:
+        attn: dict[str, Any] = dict(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+        groups = [KVCacheGroupSpec(["l0"], FullAttentionSpec(**attn))]
+        if sliding_window is not None:  # vLLM's hybrid manager: a full and a window group
+            swa = SlidingWindowSpec(sliding_window=sliding_window, **attn)
+            groups.append(KVCacheGroupSpec(["l1"], swa))
+        config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups)
         self.kv = KVCacheManager(
             config, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS
         )
         pool = HostBlockPool(host_blocks, make_policy(policy, host_blocks))
-        self.tier = HostTierScheduler(pool, block_size=BS, num_workers=workers, block_bytes=64)
+        self.tier = HostTierScheduler(
+            pool,
+            block_size=BS,
+            num_workers=workers,
+            block_bytes=64,
+            groups=kv_groups_of(config, BS),
+        )
         self.tier.bind_kv_cache_manager(self.kv)
 
     def admit(self, request: Request) -> int:
         """Lookup, allocation and load plan of a new request (no device hit); returns the hit."""
         hit = self.tier.get_num_new_matched_tokens(request, 0)
         self.kv.allocate_slots(request, request.num_tokens - hit, num_external_computed_tokens=hit)
-        self.tier.update_state_after_alloc(
-            request, self.kv.get_block_ids(request.request_id)[0], hit
-        )
+        self.tier.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), hit)
         request.num_computed_tokens = hit
         return hit
 
@@ -83,7 +97,7 @@ def _prefill(engine: Engine, request: Request) -> OffloadStepMetadata:
 
 
 def _key(request: Request, i: int) -> Any:
-    return (KV_GROUP, request.block_hashes[i])
+    return (0, request.block_hashes[i])
 
 
 def test_store_plan_covers_the_full_blocks_of_the_step() -> None:
@@ -245,3 +259,55 @@ def test_stores_beyond_capacity_are_skipped_not_errors(policy: str) -> None:
     meta = _prefill(engine, _request("a", list(range(21))))
     assert sum(len(s.host_block_ids) for s in meta.stores) <= 2
     assert engine.tier.pool.num_used <= 2
+
+
+def test_hybrid_groups_store_every_group_and_load_only_the_window() -> None:
+    # A full group and an 8-token window group on vLLM's hybrid KV manager. A 26-token
+    # prompt stores its 6 full blocks in both groups; its twin loads all 6 blocks of the
+    # full group but only blocks 4 and 5 of the window group: vLLM gave the window group
+    # its null block for blocks 0-3, which the next token does not attend to.
+    engine = Engine(host_blocks=16, sliding_window=8)
+    first = _request("a", list(range(26)))
+    meta = _prefill(engine, first)
+    (store,) = meta.stores
+    ids = engine.kv.get_block_ids("a")
+    assert sorted(store.device_block_ids) == sorted(ids[0][:6] + ids[1][:6])
+    engine.report(store.job_id)
+
+    twin = _request("b", list(range(26)))
+    assert engine.admit(twin) == 6 * BS
+    full, window = engine.kv.get_block_ids("b")
+    null = engine.kv.block_pool.null_block.block_id
+    assert window[:4] == [null] * 4 and null not in window[4:6]
+    (load,) = engine.tier.build_connector_meta(SchedulerOutput.make_empty()).loads
+    assert load.device_block_ids == full[:6] + window[4:6]
+    pool = engine.tier.pool
+    expected = [(0, twin.block_hashes[i]) for i in range(6)]
+    expected += [(1, twin.block_hashes[i]) for i in (4, 5)]
+    assert load.host_block_ids == [pool._held[key].block_id for key in expected]
+    assert engine.tier.stats.loaded_blocks == 8
+
+
+def test_hybrid_hit_stops_where_the_window_group_lacks_a_block() -> None:
+    # The host tier holds blocks 0-5 of the full group but only 0-4 of the window group.
+    # A 6-block hit would need window block 5; a 5-block hit needs window blocks 3 and 4,
+    # so the hit is 5 blocks. Without window block 4 either, only 4 blocks can be served.
+    engine = Engine(host_blocks=16, sliding_window=8)
+    pool = engine.tier.pool
+    request = _request("b", list(range(26)))
+    hashes = request.block_hashes
+
+    def hold(group: int, blocks: range) -> None:
+        keys = [(group, hashes[i]) for i in blocks]
+        parent = (group, hashes[blocks.start - 1]) if blocks.start else None
+        assert len(pool.allocate_for_store(keys, parent)) == len(keys)
+        pool.complete_store(keys, success=True)
+
+    hold(0, range(6))
+    hold(1, range(5))
+    assert engine.tier.get_num_new_matched_tokens(request, 0) == 5 * BS
+    other = _request("c", list(range(26)))
+    engine.tier.pool.reset()
+    hold(0, range(6))
+    hold(1, range(4))
+    assert engine.tier.get_num_new_matched_tokens(other, 0) == 4 * BS

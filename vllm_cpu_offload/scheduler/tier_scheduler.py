@@ -3,6 +3,10 @@
 It runs inside every engine step of vLLM's scheduler and forwards bookkeeping to the
 `HostBlockPool`. Everything is keyed by vLLM's own block hashes (`request.block_hashes`,
 with the KV cache group id), so `cache_salt` isolation and LoRA keys hold for free.
+With vLLM's hybrid KV cache manager there is one key per (group, block): a lookup returns
+the longest hit that every group can serve (`kv_groups.longest_hit`), a load fills the
+device blocks each group allocated (a sliding-window group only those of its window), and a
+store copies each group's device blocks that vLLM has not already released.
 
 Invariants (tests in tests/unit/test_tier_scheduler.py and tests/e2e):
 - A host block being loaded is pinned from the step that plans the load until every worker
@@ -25,19 +29,22 @@ vLLM's prefix cache, which caches them at allocation.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
-from vllm_cpu_offload.scheduler.block_pool import BlockKey, HostBlockPool, PoolEvent
+from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool, PoolEvent
+from vllm_cpu_offload.scheduler.kv_groups import FULL_ATTENTION_ONLY, KVGroup, longest_hit
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-KV_GROUP = 0  # the connector runs with the hybrid allocator off: one KV cache group
+# vLLM's BlockPool hands out block 0 first and keeps it as its null block: the placeholder
+# a sliding-window group holds for blocks outside its window.
+NULL_BLOCK_ID = 0
 
 
 @dataclass
@@ -66,9 +73,13 @@ class HostTierScheduler:
         block_size: int,
         num_workers: int,
         block_bytes: int,
+        groups: Sequence[KVGroup] = FULL_ATTENTION_ONLY,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.groups = tuple(groups)
+        self._single_full_group = self.groups == FULL_ATTENTION_ONLY
+        self._null_block_id = NULL_BLOCK_ID
         self.num_workers = num_workers
         self.stats = TierStats(block_bytes=block_bytes)
         self._kv_cache_manager: Any = None
@@ -83,6 +94,9 @@ class HostTierScheduler:
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
+        null = getattr(getattr(kv_cache_manager, "block_pool", None), "null_block", None)
+        if null is not None:
+            self._null_block_id = null.block_id
 
     # ---- lookups and loads -------------------------------------------------------------
 
@@ -92,36 +106,70 @@ class HostTierScheduler:
         first = num_computed_tokens // self.block_size
         # At least one token must be computed to sample from.
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
-        hits = self.pool.count_hits(_keys(request.block_hashes, first, last)) if last > first else 0
+        hits = 0
+        if last > first:
+            hashes = request.block_hashes
+            if self._single_full_group:
+                hits = self.pool.count_hits(_keys(0, hashes, first, last))
+            else:
+                hits = longest_hit(
+                    self.groups, self.block_size, first, last, self._is_ready(hashes)
+                )
+                if hits:
+                    self.pool.touch(self._needed_keys(hashes, first, first + hits))
         state.lookup = (first, hits)
         self.stats.lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
         return hits * self.block_size
 
+    def _is_ready(self, hashes: Sequence[Any]) -> Callable[[int, int], bool]:
+        state_of = self.pool.state_of
+        ready = BlockState.READY
+        return lambda group_id, i: state_of((group_id, hashes[i])) is ready
+
+    def _needed_keys(self, hashes: Sequence[Any], first: int, end: int) -> list[BlockKey]:
+        """Each group's keys that a prefix of `end` blocks needs from block `first` on."""
+        keys: list[BlockKey] = []
+        for group in self.groups:
+            start = max(first, group.first_needed_block(end, self.block_size))
+            keys += _keys(group.group_id, hashes, start, end)
+        return keys
+
     def update_state_after_alloc(
-        self, request: Request, device_block_ids: Sequence[int], num_external_tokens: int
+        self,
+        request: Request,
+        device_block_ids: Sequence[Sequence[int]],
+        num_external_tokens: int,
     ) -> None:
-        """Plans the load of the host hit into the device blocks vLLM just allocated."""
+        """Plans the load of the host hit into the device blocks vLLM just allocated.
+
+        `device_block_ids[g]` are group g's device blocks of the request.
+        """
         state = self._state(request)
         first, hits = state.lookup
+        hashes = request.block_hashes
         if first:
             # Device hits are uses of the host copies too: the policy keeps the chain warm.
-            self.pool.touch(_keys(request.block_hashes, 0, first))
+            self.pool.touch(self._needed_keys(hashes, 0, first))
         if num_external_tokens == 0:
             return
         count = num_external_tokens // self.block_size
         assert count * self.block_size == num_external_tokens and count <= hits
-        keys = _keys(request.block_hashes, first, first + count)
+        end = first + count
+        keys: list[BlockKey] = []
+        device_ids: list[int] = []
+        for group in self.groups:
+            ids = device_block_ids[group.group_id]
+            for i in range(max(first, group.first_needed_block(end, self.block_size)), end):
+                if ids[i] != self._null_block_id:
+                    keys.append((group.group_id, hashes[i]))
+                    device_ids.append(ids[i])
         host_ids = self.pool.pin(keys)
         job = self._new_job("load", request.request_id, keys)
-        self._step_loads.append(
-            BlockTransfer(
-                job, request.request_id, list(device_block_ids[first : first + count]), host_ids
-            )
-        )
+        self._step_loads.append(BlockTransfer(job, request.request_id, device_ids, host_ids))
         # The loaded blocks are in the host tier already: never store them again.
-        state.planned_upto = max(state.planned_upto, first + count)
+        state.planned_upto = max(state.planned_upto, end)
         self.stats.hit_tokens += num_external_tokens
-        self.stats.loaded_blocks += count
+        self.stats.loaded_blocks += len(keys)
 
     # ---- the step's metadata -----------------------------------------------------------
 
@@ -156,20 +204,35 @@ class HostTierScheduler:
         if full <= first:
             return None
         state.planned_upto = full
-        keys = _keys(request.block_hashes, first, full)
-        parent = (KV_GROUP, request.block_hashes[first - 1]) if first > 0 else None
-        allocated = self.pool.allocate_for_store(keys, parent)
+        hashes = request.block_hashes
+        block_ids = self._kv_cache_manager.get_block_ids(request.request_id)
+        device_ids: list[int] = []
+        allocated: list[tuple[BlockKey, int]] = []
+        for group in self.groups:
+            ids = block_ids[group.group_id]
+            # Runs of blocks the group still holds: a sliding-window group may have released
+            # the oldest ones (its null block) when the request resumed past its window.
+            i = first
+            while i < full:
+                while i < full and ids[i] == self._null_block_id:
+                    i += 1
+                start = i
+                while i < full and ids[i] != self._null_block_id:
+                    i += 1
+                if start == i:
+                    continue
+                keys = _keys(group.group_id, hashes, start, i)
+                parent = (group.group_id, hashes[start - 1]) if start > 0 else None
+                got = self.pool.allocate_for_store(keys, parent)
+                index = {key: start + n for n, key in enumerate(keys)}
+                device_ids += [ids[index[key]] for key, _ in got]
+                allocated += got
         if not allocated:
             return None
-        index = {key: i for i, key in enumerate(keys)}
-        device_ids = self._kv_cache_manager.get_block_ids(request.request_id)[KV_GROUP]
         job = self._new_job("store", request.request_id, [key for key, _ in allocated])
         state.store_jobs.add(job)
         return BlockTransfer(
-            job,
-            request.request_id,
-            [device_ids[first + index[key]] for key, _ in allocated],
-            [host_id for _, host_id in allocated],
+            job, request.request_id, device_ids, [host_id for _, host_id in allocated]
         )
 
     # ---- completions -------------------------------------------------------------------
@@ -253,5 +316,5 @@ class HostTierScheduler:
         return len(self._jobs)
 
 
-def _keys(block_hashes: Sequence[Any], first: int, last: int) -> list[BlockKey]:
-    return [(KV_GROUP, block_hashes[i]) for i in range(first, last)]
+def _keys(group_id: int, block_hashes: Sequence[Any], first: int, last: int) -> list[BlockKey]:
+    return [(group_id, block_hashes[i]) for i in range(first, last)]

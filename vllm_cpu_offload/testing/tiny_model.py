@@ -32,12 +32,16 @@ class TinyLlamaShape:
     intermediate_size: int = 512
     max_position_embeddings: int = 16384
     seed: int = 0
+    # Gemma-2 style when set: even layers attend to a sliding window of this many tokens,
+    # odd layers to the whole context, and vLLM's hybrid KV cache manager makes two groups.
+    sliding_window: int | None = None
 
     @property
     def name(self) -> str:
+        window = f"-sw{self.sliding_window}" if self.sliding_window else ""
         return (
             f"tiny-llama-l{self.num_layers}-h{self.hidden_size}-a{self.num_heads}"
-            f"-kv{self.num_kv_heads}-i{self.intermediate_size}-s{self.seed}"
+            f"-kv{self.num_kv_heads}-i{self.intermediate_size}-s{self.seed}{window}"
         )
 
 
@@ -56,7 +60,10 @@ def vocabulary() -> list[str]:
 
 
 def _stamp(shape: TinyLlamaShape) -> dict[str, object]:
-    return asdict(shape) | {"vocab_size": len(vocabulary())}
+    stamp = asdict(shape) | {"vocab_size": len(vocabulary())}
+    if stamp["sliding_window"] is None:
+        del stamp["sliding_window"]  # the stamp of models written before the field existed
+    return stamp
 
 
 def random_words(rng: random.Random, n: int) -> str:
@@ -130,6 +137,12 @@ def _write_config(folder: Path, shape: TinyLlamaShape) -> None:
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
+    if shape.sliding_window:
+        config["sliding_window"] = shape.sliding_window
+        config["layer_types"] = [
+            "sliding_attention" if layer % 2 == 0 else "full_attention"
+            for layer in range(shape.num_layers)
+        ]
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2})

@@ -30,9 +30,15 @@ class HostTierWorker:
     """Drives the transfer engine through one engine step at a time."""
 
     def __init__(
-        self, num_host_blocks: int, num_device_blocks: int, *, copy_backend: str = "auto"
+        self,
+        num_host_blocks: int,
+        num_device_blocks: int,
+        *,
+        copy_backend: str = "auto",
+        fence_stores: bool = False,
     ) -> None:
         self.num_host_blocks = num_host_blocks
+        self.fence_stores = fence_stores
         self.copy_backend = copy_backend
         self.num_device_blocks = num_device_blocks
         self.engine: TransferEngine | None = None
@@ -53,7 +59,9 @@ class HostTierWorker:
         host = HostBuffer.for_kv_caches(
             kv_caches, self.num_host_blocks, num_blocks=self.num_device_blocks
         )
-        self.engine = TransferEngine(kv_caches, host, backend=self.copy_backend)
+        self.engine = TransferEngine(
+            kv_caches, host, backend=self.copy_backend, fence_stores=self.fence_stores
+        )
 
     def _engine(self) -> TransferEngine:
         assert self.engine is not None, "register_kv_caches was not called"
@@ -67,6 +75,8 @@ class HostTierWorker:
 
     def begin_step(self, metadata: OffloadStepMetadata) -> None:
         """Registers the step's stores and delayed frees; called before the forward."""
+        if self.engine is not None:
+            self.engine.begin_step()
         self._awaiting_free.update(metadata.delayed_free_req_ids)
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id

@@ -22,6 +22,7 @@ Imports torch (and, on CUDA, triton) only.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -93,6 +94,7 @@ class _Batch:
     host_ids: torch.Tensor  # on the host
     on_device: tuple[torch.Tensor, torch.Tensor] | None = None
     layers_done: set[str] = field(default_factory=set)
+    layer_calls: Counter[str] = field(default_factory=Counter)  # store hooks per tensor
     failed: bool = False
 
 
@@ -126,6 +128,9 @@ class TransferEngine:
             all layers, later completion. The CPU path and DMA stores always defer: a DMA
             batch costs the host about a microsecond per run, which `finish_step` pays while
             the device still runs the step's forward.
+        fence_stores: on CUDA, each step's compute first waits for the stores still
+            running. Needed when vLLM may reuse a device block of a running request in the
+            next step (a sliding-window group releases the blocks that leave its window).
     """
 
     def __init__(
@@ -137,12 +142,17 @@ class TransferEngine:
         store_copier: BlockCopier | None = None,
         backend: str = "auto",
         layerwise_stores: bool = True,
+        fence_stores: bool = False,
     ) -> None:
         if not kv_caches:
             raise ValueError("TransferEngine needs at least one KV cache")
         self.host = host_buffer
         self._canonical = canonical_layers(kv_caches)
         self._layers = list(dict.fromkeys(self._canonical.values()))
+        # Layers writing each tensor: with the hybrid KV cache manager a tensor holds the
+        # blocks of one layer of every group, complete only once each of them has run.
+        self._writers = Counter(self._canonical.values())
+        self._fence_stores = fence_stores
         caches = {name: kv_caches[name] for name in self._layers}
         for name, t in caches.items():
             expected = host_buffer.layouts.get(name)
@@ -176,6 +186,11 @@ class TransferEngine:
             self._load_events = {n: torch.cuda.Event() for n in self._layers}
 
     # ---- one engine step ----
+
+    def begin_step(self) -> None:
+        """Before the step's forward: with `fence_stores`, compute waits for running stores."""
+        if self.use_streams and self._fence_stores and any(p.is_store for p in self._pending):
+            torch.cuda.current_stream(self.device).wait_stream(self._store_stream)
 
     def start_loads(self, jobs: Sequence[TransferJob]) -> None:
         """Queues every layer's host->device copy of `jobs` (CPU: copies them now)."""
@@ -221,6 +236,9 @@ class TransferEngine:
         name = self._canonical[layer_name]
         if name in batch.layers_done or batch.failed:
             return
+        batch.layer_calls[name] += 1
+        if batch.layer_calls[name] < self._writers[name]:
+            return  # another layer still writes this tensor in this step
         batch.layers_done.add(name)
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._store_stream):

@@ -1,0 +1,63 @@
+"""A hybrid sliding-window model (Gemma-2 style) keeps vLLM's hybrid KV cache manager on.
+
+The generated model alternates sliding-window layers (a 64-token window) with full-attention
+ones, so vLLM's hybrid manager makes two KV cache groups. With the flags it must stay on: the
+connector serves both groups, a sliding-window group loading only the blocks of its window.
+bf16, one request at a time, the engine as users run it, as in test_bf16_exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import pytest
+
+from tests.conftest import BLOCK_SIZE
+from tests.e2e.conftest import script_result
+from vllm_cpu_offload.testing.tiny_model import TEST_SHAPE, ensure_tiny_llama
+
+pytestmark = pytest.mark.e2e
+
+WINDOW = 64
+DOC_TOKENS = 300
+DOCS = 6
+DEVICE_BLOCKS = 32  # shared by both groups: a document takes 10 full-attention blocks
+
+
+def _run(model: str, *flags: str) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
+        env.pop(name, None)
+    args = ("--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS))
+    args += ("--device-blocks", str(DEVICE_BLOCKS), *flags)
+    return dict(script_result("tests.e2e.long_document_run", model, *args, env=env, timeout=400))
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict[str, Any], dict[str, Any]]:
+    model = str(ensure_tiny_llama(dataclasses.replace(TEST_SHAPE, sliding_window=WINDOW)))
+    return _run(model), _run(model, "--offload")
+
+
+def test_hybrid_manager_stays_on_with_the_flags(
+    runs: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    without, with_flag = runs
+    assert sorted(without["kv_cache_groups"]) == ["FullAttentionSpec", "SlidingWindowSpec"]
+    assert with_flag["kv_cache_groups"] == without["kv_cache_groups"]
+
+
+def test_hybrid_rereads_come_from_host_with_the_tokens_of_the_run_without_flags(
+    runs: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    without, with_flag = runs
+    assert [r["tokens"] for r in with_flag["requests"]] == [
+        r["tokens"] for r in without["requests"]
+    ]
+    rereads = with_flag["requests"][DOCS:]
+    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert all(r["cached"] >= full_blocks for r in rereads), rereads
+    assert all(r["cached"] == 0 for r in without["requests"][DOCS:])
