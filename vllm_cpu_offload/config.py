@@ -20,7 +20,7 @@ CONNECTOR_MODULE = "vllm_cpu_offload.connector"
 # `--enable-cpu-offload` is given.
 DEFAULT_SWAP_SPACE_GIB = 4.0
 
-EVICTION_POLICIES = ("prefix_aware", "lru")
+# Also any policy class by entry point or import path: scheduler/policies/registry.py.
 DEFAULT_EVICTION_POLICY = "prefix_aware"
 
 # How a CUDA worker copies blocks: Triton kernels, the copy engines (DMA), whole blocks
@@ -47,7 +47,8 @@ class OffloadConfig:
 
     Attributes:
         swap_space_gib: host memory for offloaded KV blocks, per worker, in GiB.
-        eviction_policy: which host-tier eviction policy to use.
+        eviction_policy: the host tier's eviction policy: a built-in name, an entry point
+            name, or a policy class by import path (scheduler/policies/registry.py).
         copy_backend: how CUDA workers copy blocks (see `COPY_BACKENDS`).
     """
 
@@ -81,11 +82,9 @@ class OffloadConfig:
             extra.get("swap_space_gib", DEFAULT_SWAP_SPACE_GIB), "swap_space_gib"
         )
         policy = extra.get("eviction_policy", DEFAULT_EVICTION_POLICY)
-        if policy not in EVICTION_POLICIES:
-            raise OffloadConfigError(
-                f"eviction_policy {policy!r} is not known; choose one of: "
-                f"{', '.join(EVICTION_POLICIES)}"
-            )
+        from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
+
+        resolve_policy(policy)  # a bad name or class fails here, before the engine starts
         backend = extra.get("copy_backend", DEFAULT_COPY_BACKEND)
         if backend not in COPY_BACKENDS:
             raise OffloadConfigError(

@@ -119,6 +119,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
                 block_bytes=block_bytes,
                 groups=self.kv_groups,
+                record_events=self._publish_events,
             )
         else:
             from vllm_cpu_offload.worker.tier_worker import HostTierWorker

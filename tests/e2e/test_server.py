@@ -20,6 +20,9 @@ from tests.e2e.servers import SERVER, free_port, metrics, running_server, server
 
 pytestmark = pytest.mark.e2e
 
+# 49 host blocks of the tiny model (64 KiB each): the first prompts fit, later ones evict.
+HOST_GIB = 0.003
+
 
 class EventListener:
     """Receives the server's KV events and keeps them.
@@ -58,7 +61,12 @@ def events_port() -> int:
 def server(tiny_model: str, events_port: int) -> Iterator[str]:
     flags = [
         "--enable-cpu-offload",
-        "--swap-space", "1",
+        "--swap-space", str(HOST_GIB),
+        # LRU evicts as soon as the tier is full (prefix_aware may decline one-off blocks
+        # instead), so the test sees real removals.
+        "--kv-transfer-config",
+        '{"kv_connector": "CPUOffloadConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"eviction_policy": "lru"}}',
         "--block-size", str(BLOCK_SIZE),
         "--num-gpu-blocks-override", "16",
         "--max-model-len", "480",
@@ -73,8 +81,8 @@ def server(tiny_model: str, events_port: int) -> Iterator[str]:
         yield running.url
 
 
-def _complete(url: str, model: str, prompt: str) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+def _complete(url: str, model: str, prompt: str, max_tokens: int = 8) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
     response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
@@ -118,10 +126,49 @@ def test_server_answers_completion_and_reuses_host_blocks(
     assert metrics["vllm:cpu_offload_store_seconds_total"] > 0
     assert 0 < metrics["vllm:cpu_offload_host_usage_perc"] <= 1
 
+    # A decode that fills a block: its store is a chain's continuation, with a parent.
+    _complete(server, tiny_model, random_words(rng, 6 * BLOCK_SIZE + 3), max_tokens=40)
     events = listener.drain(2.0)
     host_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
     assert sum(len(e.block_hashes) for e in host_stored) >= 4 * 6, events[:10]
     assert all(not isinstance(e, BlockRemoved) or e.medium for e in events)
+
+    # Each host block's event says what vLLM's device-tier event for it says.
+    def per_block(stored: list) -> dict:
+        blocks = {}
+        for e in stored:
+            parent = e.parent_block_hash
+            for i, block_hash in enumerate(e.block_hashes):
+                tokens = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
+                blocks[block_hash] = (parent, tuple(tokens), e.block_size, e.lora_id, e.group_idx)
+                parent = block_hash
+        return blocks
+
+    device = per_block([e for e in events if isinstance(e, BlockStored) and e.medium != MEDIUM_CPU])
+    host = per_block(host_stored)
+    assert all(len(e.token_ids) == BLOCK_SIZE * len(e.block_hashes) for e in host_stored)
+    assert host and all(host[h] == device[h] for h in host), [
+        (h, host[h], device.get(h)) for h in host if host[h] != device.get(h)
+    ][:2]
+    assert any(e.parent_block_hash is None for e in host_stored)
+    assert any(e.parent_block_hash is not None for e in host_stored)  # the decode block
+
+    # 31 blocks are held by now; 30 more overflow the 49 host blocks: the tier evicts and
+    # says so.
+    for _ in range(5):
+        _complete(server, tiny_model, random_words(rng, 6 * BLOCK_SIZE + 3))
+    events = listener.drain(2.0)
+    removed = [
+        h for e in events if isinstance(e, BlockRemoved) and e.medium == MEDIUM_CPU
+        for h in e.block_hashes
+    ]  # fmt: skip
+    assert removed and set(removed) <= set(
+        per_block([e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU])
+    ), removed[:4]
+    deadline = time.monotonic() + 30
+    while _metrics(server).get("vllm:cpu_offload_evicted_blocks_total", 0) < len(removed):
+        assert time.monotonic() < deadline, "evictions never reached /metrics"
+        time.sleep(1)
 
 
 @pytest.mark.parametrize(

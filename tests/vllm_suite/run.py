@@ -60,6 +60,12 @@ def run_pytest(
     """Runs pytest in the sdist's root; returns its exit code and every test's outcome."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "outcomes.jsonl"
+        # vLLM's tests get no pytest configuration but their own conftest files, and node
+        # ids relative to the sdist, wherever it lies: without these, an sdist inside this
+        # repository (VLLM_CPU_OFFLOAD_CACHE=./.cache in CI) would pick up this repo's
+        # pyproject.toml, and the ids of DESELECTED would not match.
+        ini = Path(tmp) / "pytest.ini"
+        ini.write_text("[pytest]\n")
         env = dict(os.environ)
         env.update(
             HF_HOME=str(hf_home),
@@ -69,6 +75,7 @@ def run_pytest(
             PYTHONPATH=os.pathsep.join(filter(None, [str(SUITE_DIR), env.get("PYTHONPATH")])),
         )
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outcome_log"]
+        cmd += ["-c", str(ini), "--rootdir", str(sdist)]
         if mode == "plain":
             env["VLLM_PLUGINS"] = "none"
         else:

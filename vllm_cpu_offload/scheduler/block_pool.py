@@ -28,10 +28,14 @@ __all__ = ["BlockKey", "BlockState", "HostBlockPool", "PoolEvent"]
 
 @dataclass(frozen=True, slots=True)
 class PoolEvent:
-    """Keys that became visible ("stored") or left the pool ("evicted"), in order."""
+    """Keys that became visible ("stored") or left the pool ("evicted"), in order.
+
+    `detail` is what the caller of `complete_store` passed along for the event, untouched.
+    """
 
     kind: Literal["stored", "evicted"]
     keys: tuple[BlockKey, ...]
+    detail: object = None
 
 
 class HostBlockPool:
@@ -227,8 +231,12 @@ class HostBlockPool:
             self._events.append(PoolEvent("evicted", tuple(evicted)))
         return allocated
 
-    def complete_store(self, keys: Sequence[BlockKey], success: bool) -> None:
+    def complete_store(
+        self, keys: Sequence[BlockKey], success: bool, detail: object = None
+    ) -> None:
         """Ends stores: STORING -> READY (visible) on success, freed on failure.
+
+        `detail` rides along in the "stored" event (e.g. what a KV event needs to say).
 
         Raises:
             ValueError: a key is not a STORING block of the pool (nothing changes then).
@@ -256,7 +264,7 @@ class HostBlockPool:
         if success:
             self.policy.on_ready(checked)
             if self._record_events:
-                self._events.append(PoolEvent("stored", tuple(keys)))
+                self._events.append(PoolEvent("stored", tuple(keys), detail))
         else:
             for block in checked:
                 block.state = storing  # it never became visible

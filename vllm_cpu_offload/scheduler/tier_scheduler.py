@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool, PoolEvent
 from vllm_cpu_offload.scheduler.kv_groups import FULL_ATTENTION_ONLY, KVGroup, longest_hit
+from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks, stored_runs
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class _Job:
     kind: Literal["load", "store"]
     req_id: str
     keys: list[BlockKey]
+    stored: list[StoredBlocks] | None = None  # for KV events, when they are on
 
 
 @dataclass
@@ -74,11 +76,14 @@ class HostTierScheduler:
         num_workers: int,
         block_bytes: int,
         groups: Sequence[KVGroup] = FULL_ATTENTION_ONLY,
+        record_events: bool = False,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.groups = tuple(groups)
         self._single_full_group = self.groups == FULL_ATTENTION_ONLY
+        # Whether stores record what vLLM's BlockStored events say (KV events are on).
+        self.record_events = record_events
         self._null_block_id = NULL_BLOCK_ID
         self.num_workers = num_workers
         self.stats = TierStats(block_bytes=block_bytes)
@@ -208,6 +213,7 @@ class HostTierScheduler:
         block_ids = self._kv_cache_manager.get_block_ids(request.request_id)
         device_ids: list[int] = []
         allocated: list[tuple[BlockKey, int]] = []
+        stored: list[StoredBlocks] | None = [] if self.record_events else None
         for group in self.groups:
             ids = block_ids[group.group_id]
             # Runs of blocks the group still holds: a sliding-window group may have released
@@ -225,11 +231,15 @@ class HostTierScheduler:
                 parent = (group.group_id, hashes[start - 1]) if start > 0 else None
                 got = self.pool.allocate_for_store(keys, parent)
                 index = {key: start + n for n, key in enumerate(keys)}
-                device_ids += [ids[index[key]] for key, _ in got]
+                indices = [index[key] for key, _ in got]
+                device_ids += [ids[i] for i in indices]
                 allocated += got
+                if stored is not None and got:
+                    stored += stored_runs(request, group.group_id, indices, self.block_size)
         if not allocated:
             return None
         job = self._new_job("store", request.request_id, [key for key, _ in allocated])
+        self._jobs[job].stored = stored
         state.store_jobs.add(job)
         return BlockTransfer(
             job, request.request_id, device_ids, [host_id for _, host_id in allocated]
@@ -266,7 +276,7 @@ class HostTierScheduler:
             if not success:
                 self.stats.failed_loads += 1
             return
-        self.pool.complete_store(job.keys, success)
+        self.pool.complete_store(job.keys, success, job.stored)
         if success:
             self.stats.stored_blocks += len(job.keys)
         else:

@@ -1,34 +1,33 @@
-"""Host-tier eviction policies, chosen by name."""
+"""Host-tier eviction policies: the interface, the built-ins, and the registry by name."""
 
 from __future__ import annotations
 
 from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
 from .lru import LRUPolicy
 from .prefix_aware import PrefixAwarePolicy
+from .registry import (
+    BUILTIN_POLICIES,
+    ENTRY_POINT_GROUP,
+    available_policy_names,
+    resolve_policy,
+)
 
-_POLICIES: dict[str, type[EvictionPolicy]] = {
-    LRUPolicy.name: LRUPolicy,
-    PrefixAwarePolicy.name: PrefixAwarePolicy,
-}
-
-POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
+POLICY_NAMES: tuple[str, ...] = tuple(BUILTIN_POLICIES)
 
 
 def make_policy(name: str, num_blocks: int) -> EvictionPolicy:
-    """Builds the policy registered as `name` for a pool of `num_blocks` blocks.
+    """Builds the policy `name` (a built-in, an entry point or an import path) for a pool
+    of `num_blocks` blocks.
 
     Raises:
-        ValueError: `name` is not a registered policy; the message lists the allowed names.
+        OffloadConfigError: `name` names no usable policy; the message says what to fix.
     """
-    try:
-        policy_cls = _POLICIES[name]
-    except KeyError:
-        allowed = ", ".join(repr(n) for n in POLICY_NAMES)
-        raise ValueError(f"unknown eviction policy {name!r}; allowed: {allowed}") from None
-    return policy_cls(num_blocks)
+    return resolve_policy(name)(num_blocks)
 
 
 __all__ = [
+    "BUILTIN_POLICIES",
+    "ENTRY_POINT_GROUP",
     "POLICY_NAMES",
     "BlockKey",
     "BlockList",
@@ -37,5 +36,7 @@ __all__ = [
     "HostBlock",
     "LRUPolicy",
     "PrefixAwarePolicy",
+    "available_policy_names",
     "make_policy",
+    "resolve_policy",
 ]

@@ -1,0 +1,101 @@
+"""Eviction policies by name: the built-ins, entry points, and classes named by import path.
+
+`eviction_policy` in the connector's extra config takes any of:
+- a built-in name: `prefix_aware`, `lru` (the one list below);
+- the name of an entry point in the group `vllm_cpu_offload.eviction_policies`, which any
+  installed distribution may declare (`fifo = "my_pkg.policies:FIFOPolicy"`);
+- an import path, `my_pkg.policies:FIFOPolicy` (or `my_pkg.policies.FIFOPolicy`).
+
+The class must subclass `EvictionPolicy` and implement its abstract hooks. Resolving a bad
+name raises `OffloadConfigError` with one line that names the fix, before the engine starts.
+This module imports neither vLLM nor a policy it is not asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from importlib.metadata import entry_points
+
+from vllm_cpu_offload.config import OffloadConfigError
+
+from .base import EvictionPolicy
+
+ENTRY_POINT_GROUP = "vllm_cpu_offload.eviction_policies"
+
+# The built-in policies, registered here and nowhere else.
+BUILTIN_POLICIES: dict[str, str] = {
+    "prefix_aware": "vllm_cpu_offload.scheduler.policies.prefix_aware:PrefixAwarePolicy",
+    "lru": "vllm_cpu_offload.scheduler.policies.lru:LRUPolicy",
+}
+
+
+def resolve_policy(name: str) -> type[EvictionPolicy]:
+    """The policy class `name` stands for; see the module docstring for the forms."""
+    if not isinstance(name, str) or not name:
+        raise OffloadConfigError(f"eviction_policy must be a name or an import path, got {name!r}")
+    if name in BUILTIN_POLICIES:
+        return _checked(name, _import(BUILTIN_POLICIES[name], name))
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name == name:
+            try:
+                loaded = entry.load()
+            except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
+                raise OffloadConfigError(
+                    f"eviction_policy {name!r}: entry point {entry.value!r} of group "
+                    f"{ENTRY_POINT_GROUP} failed to load ({type(e).__name__}: {e}); "
+                    f"fix or reinstall the package that declares it"
+                ) from None
+            return _checked(name, loaded)
+    if "." in name or ":" in name:
+        return _checked(name, _import(name, name))
+    known = ", ".join(available_policy_names())
+    raise OffloadConfigError(
+        f"eviction_policy {name!r} is not known; choose one of: {known}, or name a policy "
+        f"class by import path ('my_pkg.module:MyPolicy')"
+    )
+
+
+def available_policy_names() -> list[str]:
+    """Built-in names first, then the entry points installed now."""
+    names = list(BUILTIN_POLICIES)
+    names += sorted(e.name for e in entry_points(group=ENTRY_POINT_GROUP) if e.name not in names)
+    return names
+
+
+def _import(path: str, name: str) -> object:
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise OffloadConfigError(
+            f"eviction_policy {name!r} is not an import path; write it as 'my_pkg.module:MyPolicy'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
+        raise OffloadConfigError(
+            f"eviction_policy {name!r}: cannot import module {module_name!r} "
+            f"({type(e).__name__}: {e}); install it or fix the path"
+        ) from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise OffloadConfigError(
+            f"eviction_policy {name!r}: module {module_name!r} has no {attr!r}; fix the path"
+        ) from None
+
+
+def _checked(name: str, obj: object) -> type[EvictionPolicy]:
+    if not (inspect.isclass(obj) and issubclass(obj, EvictionPolicy)):
+        raise OffloadConfigError(
+            f"eviction_policy {name!r} names {obj!r}, which is not a subclass of "
+            f"vllm_cpu_offload.scheduler.policies.EvictionPolicy; subclass it"
+        )
+    missing = sorted(getattr(obj, "__abstractmethods__", ()))
+    if missing:
+        raise OffloadConfigError(
+            f"eviction_policy {name!r}: {obj.__qualname__} does not implement "
+            f"{', '.join(missing)}; implement every abstract hook of EvictionPolicy"
+        )
+    return obj
