@@ -6,6 +6,7 @@
 #   tests/vllm_helpers: vLLM 0.33's own Scheduler, Request and KVCacheManager with our
 #     connector, driven by 0.33's connector test helpers (from its sdist)
 #   tests/e2e/test_bf16_exact.py: an engine with and without the flags, equal tokens
+#   tests/e2e/test_hybrid_model.py: a sliding-window model, the hybrid manager kept on
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export VLLM033_CPU_KERNELS=1
@@ -14,4 +15,5 @@ PY="${VENV033:-.venv-vllm033}/bin/python"
 # A CUDA wheel detects no platform on a machine without a GPU: name the CPU one.
 export VLLM_TARGET_DEVICE=cpu
 "$PY" -c "import vllm; assert vllm.__version__.startswith('0.33.0'), vllm.__version__"
-"$PY" -m pytest -q -p no:cacheprovider tests/unit tests/vllm_helpers tests/e2e/test_bf16_exact.py "$@"
+"$PY" -m pytest -q -p no:cacheprovider tests/unit tests/vllm_helpers tests/e2e/test_bf16_exact.py \
+  tests/e2e/test_hybrid_model.py "$@"

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+import weakref
 from typing import Any
 
 from vllm_cpu_offload.config import (
@@ -42,6 +43,10 @@ from vllm_cpu_offload.config import (
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 PATCH_NAME = "engine_args_flags"
 _PATCHED_MARK = "_vllm_cpu_offload_patched"
+# ids of the live EngineArgs that from_cli_args built: their errors end the process with one
+# line, as argparse's do, instead of a traceback. Kept beside them, not as an attribute:
+# scripts copy EngineArgs' attributes into new EngineArgs as keyword arguments.
+_from_cli: set[int] = set()
 
 
 def unsupported_vllm(version: str) -> str | None:
@@ -191,7 +196,8 @@ def apply() -> None:
         engine_args = original_from_cli(cls, args)
         engine_args.enable_cpu_offload = bool(getattr(args, "enable_cpu_offload", False))
         engine_args.swap_space = getattr(args, "swap_space", None)
-        engine_args._cpu_offload_from_cli = True
+        _from_cli.add(id(engine_args))
+        weakref.finalize(engine_args, _from_cli.discard, id(engine_args))
         try:
             resolve_offload(engine_args)
         except OffloadConfigError as e:
@@ -213,7 +219,7 @@ def apply() -> None:
             try:
                 check_model(vllm_config.model_config)
             except OffloadConfigError as e:
-                if not getattr(self, "_cpu_offload_from_cli", False):
+                if id(self) not in _from_cli:
                     raise
                 # From the command line: one line and exit, as from_cli_args does.
                 print(f"error: {e}", file=sys.stderr)
