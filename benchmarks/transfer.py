@@ -26,6 +26,7 @@ Usage: python benchmarks/transfer.py [--shapes llama3-8b small] [--layouts lbhnc
            [--reps 7] [--threads N] [--sweep] [--run-sweep]   (sweeps: CUDA only)
            [--staged-chunks 8 16]                             (CUDA only)
            [--in-vllm-worker]                                 (CPU only)
+           [--host-runs 2 4 8]   host slots in runs of K (offload_block_size of K blocks)
 """
 
 from __future__ import annotations
@@ -150,6 +151,15 @@ def bench_shape(
     if pattern == "scattered":  # every block on its own: the worst case
         d_ids = torch.randperm(args.device_blocks, generator=gen)[:n]
         h_ids = torch.randperm(args.host_blocks, generator=gen)[:n]
+    elif pattern.startswith("host-runs-"):
+        # offload_block_size of k device blocks: device blocks scattered as vLLM allocates
+        # them, host slots in runs of k (one host block), the runs scattered.
+        k = int(pattern.removeprefix("host-runs-"))
+        d_ids = torch.randperm(args.device_blocks, generator=gen)[:n]
+        units = torch.randperm(args.host_blocks // k, generator=gen)[: n // k]
+        h_ids = (units[:, None] * k + torch.arange(k)).flatten()
+        n = len(h_ids)
+        d_ids = d_ids[:n]
     else:  # one request's prefix into freshly allocated host blocks
         d_ids = torch.arange(n) + (args.device_blocks - n) // 2
         h_ids = torch.arange(n)
@@ -549,6 +559,13 @@ def main() -> None:
         choices=["scattered", "runs"],
         help="block id patterns",
     )
+    parser.add_argument(
+        "--host-runs",
+        nargs="*",
+        type=int,
+        default=[],
+        help="also host slots in runs of K (host blocks of K device blocks), device scattered",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--sweep", action="store_true", help="sweep Triton constants (CUDA)")
     parser.add_argument("--run-sweep", action="store_true", help="DMA vs Triton by run length")
@@ -589,7 +606,7 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         for layout in layouts:
-            for pattern in args.ids:
+            for pattern in [*args.ids, *(f"host-runs-{k}" for k in args.host_runs)]:
                 rows += bench_shape(SHAPES[name], args, device, pattern, layout)
     result["rows"] = rows
     print_table(rows)

@@ -50,28 +50,47 @@ class OffloadConfig:
         eviction_policy: the host tier's eviction policy: a built-in name, an entry point
             name, or a policy class by import path (scheduler/policies/registry.py).
         copy_backend: how CUDA workers copy blocks (see `COPY_BACKENDS`).
+        offload_block_size: tokens per host block, a multiple of vLLM's block size (a host
+            block then holds that many device blocks); None: vLLM's block size.
     """
 
     swap_space_gib: float = DEFAULT_SWAP_SPACE_GIB
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     copy_backend: str = DEFAULT_COPY_BACKEND
+    offload_block_size: int | None = None
 
     @property
     def swap_space_bytes(self) -> int:
         return int(self.swap_space_gib * GIB)
 
     def to_extra_config(self) -> dict[str, Any]:
-        return {
+        extra: dict[str, Any] = {
             "swap_space_gib": self.swap_space_gib,
             "eviction_policy": self.eviction_policy,
             "copy_backend": self.copy_backend,
         }
+        if self.offload_block_size is not None:
+            extra["offload_block_size"] = self.offload_block_size
+        return extra
+
+    def blocks_per_host_block(self, block_size: int) -> int:
+        """Device blocks of `block_size` tokens in one host block; refuses a size that is
+        not a multiple of it."""
+        size = self.offload_block_size
+        if size is None or size == block_size:
+            return 1
+        if size % block_size:
+            raise OffloadConfigError(
+                f"offload_block_size {size} is not a multiple of the block size {block_size}; "
+                f"set offload_block_size to a multiple of {block_size} (e.g. {2 * block_size})"
+            )
+        return size // block_size
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> OffloadConfig:
         """Parses `kv_connector_extra_config`; unknown keys and bad values raise."""
         extra = dict(extra or {})
-        allowed = ("swap_space_gib", "eviction_policy", "copy_backend")
+        allowed = ("swap_space_gib", "eviction_policy", "copy_backend", "offload_block_size")
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
             raise OffloadConfigError(
@@ -90,7 +109,18 @@ class OffloadConfig:
             raise OffloadConfigError(
                 f"copy_backend {backend!r} is not known; choose one of: {', '.join(COPY_BACKENDS)}"
             )
-        return cls(swap_space_gib=swap, eviction_policy=policy, copy_backend=backend)
+        size = extra.get("offload_block_size")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise OffloadConfigError(
+                f"offload_block_size must be a positive number of tokens, a multiple of the "
+                f"block size (e.g. 64), got {size!r}"
+            )
+        return cls(
+            swap_space_gib=swap,
+            eviction_policy=policy,
+            copy_backend=backend,
+            offload_block_size=size,
+        )
 
 
 def parse_swap_space(value: object, name: str = "--swap-space") -> float:

@@ -96,15 +96,19 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.offload_config = OffloadConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )
+        block_size = vllm_config.cache_config.block_size
+        self.kv_groups = kv_groups_of(kv_cache_config, block_size)
+        # A host block holds k device blocks; the worker's host buffer has k slots for each.
+        k = self.offload_config.blocks_per_host_block(block_size)
+        if k > 1 and not all(g.is_full for g in self.kv_groups):
+            raise OffloadConfigError("offload_block_size needs full attention in every group")
         block_bytes = block_bytes_of(kv_cache_config)
-        self.num_host_blocks = num_host_blocks_for(self.offload_config, block_bytes)
+        self.num_host_blocks = num_host_blocks_for(self.offload_config, block_bytes * k)
         events_config = vllm_config.kv_events_config
         self._publish_events = bool(events_config and events_config.enable_kv_cache_events)
         self._stats_reporter = SchedulerStatsReporter()
         self.scheduler: HostTierScheduler | None = None
         self.worker: HostTierWorker | None = None
-        block_size = vllm_config.cache_config.block_size
-        self.kv_groups = kv_groups_of(kv_cache_config, block_size)
         if role == KVConnectorRole.SCHEDULER:
             if len(self.kv_groups) > 1:
                 logger.info("CPU offload serves KV cache groups: %s", describe(self.kv_groups))
@@ -120,12 +124,13 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 block_bytes=block_bytes,
                 groups=self.kv_groups,
                 record_events=self._publish_events,
+                blocks_per_host_block=k,
             )
         else:
             from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
             self.worker = HostTierWorker(
-                self.num_host_blocks,
+                self.num_host_blocks * k,
                 kv_cache_config.num_blocks,
                 copy_backend=self.offload_config.copy_backend,
                 # A sliding-window group releases blocks while its request runs: a store
@@ -273,7 +278,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         events = self._sched().take_pool_events()
         if not self._publish_events:
             return ()
-        return list(to_kv_events(events, self._sched().block_size))
+        sched = self._sched()
+        return list(to_kv_events(events, sched.block_size * sched.k))
 
     @override
     def reset_cache(self) -> bool | None:

@@ -111,12 +111,25 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     return config
 
 
-def check_model(model_config: Any) -> None:
-    """Refuses a model whose state the host tier cannot hold, before the engine starts.
+def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
+    """Refuses, before the engine starts, a model whose state the host tier cannot hold and
+    a host block size the engine's KV cache cannot take.
 
     Mamba and other state-space layers keep one running state per request instead of KV
-    blocks per token; the host tier holds blocks only.
+    blocks per token; the host tier holds blocks only. Host blocks of several device blocks
+    need full attention: a window group releases device blocks one at a time.
     """
+    model_config = vllm_config.model_config
+    k = config.blocks_per_host_block(vllm_config.cache_config.block_size)
+    windowed = getattr(model_config.hf_text_config, "sliding_window", None) or getattr(
+        model_config.hf_text_config, "attention_chunk_size", None
+    )
+    if k > 1 and windowed and not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        raise OffloadConfigError(
+            f"offload_block_size {config.offload_block_size} needs full attention, but "
+            f"{model_config.model} has sliding-window or chunked attention layers; drop "
+            f"offload_block_size"
+        )
     if model_config.is_attention_free or model_config.is_hybrid:
         kind = "attention-free" if model_config.is_attention_free else "hybrid state-space"
         raise OffloadConfigError(
@@ -217,7 +230,7 @@ def apply() -> None:
         vllm_config = original_create(self, *args, **kwargs)
         if config is not None:
             try:
-                check_model(vllm_config.model_config)
+                check_engine(vllm_config, config)
             except OffloadConfigError as e:
                 if id(self) not in _from_cli:
                     raise

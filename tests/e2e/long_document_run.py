@@ -5,7 +5,8 @@ executor binds the worker's OpenMP threads exactly as it does for a user. The JS
 greedy tokens and cached-token counts of every request, and the worker's OpenMP threads and
 CPU binding, read inside the worker.
 
-    python -m tests.e2e.long_document_run MODEL [--offload] [--dtype bfloat16]
+    python -m tests.e2e.long_document_run MODEL [--offload [--offload-block-size N]]
+        [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=300)
     parser.add_argument("--device-blocks", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--offload-block-size", type=int, help="tokens per host block")
     args = parser.parse_args()
 
     # The flags work as LLM() keyword arguments with no import of the package by the script:
@@ -61,6 +63,14 @@ def main() -> None:
 
     applied_by_vllm_import = "vllm_cpu_offload.flags" in sys.modules
     flags: dict[str, Any] = dict(enable_cpu_offload=True, swap_space=0.05) if args.offload else {}
+    if args.offload_block_size:
+        from vllm.config.kv_transfer import KVTransferConfig
+
+        flags["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="CPUOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"offload_block_size": args.offload_block_size},
+        )
     llm = LLM(
         args.model,
         enforce_eager=True,

@@ -58,3 +58,16 @@ def test_bf16_greedy_tokens_equal_without_the_flag_and_rereads_hit_host(
     full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert all(r["cached"] >= full_blocks for r in rereads), rereads
     assert all(r["cached"] == 0 for r in without["requests"][DOCS:])
+
+
+def test_host_blocks_of_two_device_blocks_give_the_same_tokens(
+    tiny_model: str, runs: tuple[dict[str, Any], dict[str, Any]]
+) -> None:
+    # offload_block_size of two device blocks: fewer, larger host blocks. Re-reads load
+    # whole host blocks (8 of a document's 9 full device blocks); tokens stay the same.
+    without, _ = runs
+    pairs = _run(tiny_model, "--offload", "--offload-block-size", str(2 * BLOCK_SIZE))
+    assert [r["tokens"] for r in pairs["requests"]] == [r["tokens"] for r in without["requests"]]
+    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE
+    rereads = pairs["requests"][DOCS:]
+    assert all(r["cached"] >= full_blocks // 2 * 2 * BLOCK_SIZE for r in rereads), rereads

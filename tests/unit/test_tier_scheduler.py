@@ -43,6 +43,7 @@ class Engine:
         workers: int = 1,
         policy: str = "lru",
         sliding_window: int | None = None,
+        k: int = 1,
     ) -> None:
         attn: dict[str, Any] = dict(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
         groups = [KVCacheGroupSpec(["l0"], FullAttentionSpec(**attn))]
@@ -60,6 +61,7 @@ class Engine:
             num_workers=workers,
             block_bytes=64,
             groups=kv_groups_of(config, BS),
+            blocks_per_host_block=k,
         )
         self.tier.bind_kv_cache_manager(self.kv)
 
@@ -311,3 +313,36 @@ def test_hybrid_hit_stops_where_the_window_group_lacks_a_block() -> None:
     hold(0, range(6))
     hold(1, range(4))
     assert engine.tier.get_num_new_matched_tokens(other, 0) == 4 * BS
+
+
+def test_host_blocks_of_two_device_blocks() -> None:
+    # k = 2: a 26-token prompt (6 full blocks) is stored as 3 host blocks, each keyed by its
+    # last device block's hash and copied into two consecutive host slots. A 22-token prompt
+    # (5 full blocks) stores only the 2 host blocks it fills.
+    engine = Engine(host_blocks=8, k=2)
+    first = _request("a", list(range(26)))
+    (store,) = _prefill(engine, first).stores
+    assert store.device_block_ids == engine.kv.get_block_ids("a")[0][:6]
+    slots = store.host_block_ids
+    assert [s // 2 for s in slots[::2]] == [s // 2 for s in slots[1::2]]
+    assert [s % 2 for s in slots] == [0, 1] * 3
+    assert engine.tier.pool.state_of((0, first.block_hashes[1])) is BlockState.STORING
+    assert (0, first.block_hashes[0]) not in engine.tier.pool
+    engine.report(store.job_id)
+    assert engine.tier.stats.stored_blocks == 6
+
+    other = _request("b", list(range(100, 122)))
+    (short,) = _prefill(engine, other).stores
+    assert len(short.device_block_ids) == 4
+
+    # A twin loads all 6 blocks into the slots they were stored in; after a device hit of
+    # one block, the hit still ends at a host block's end (5 more blocks).
+    twin = _request("c", list(range(26)))
+    assert engine.tier.get_num_new_matched_tokens(twin, BS) == 5 * BS
+    assert engine.admit(twin) == 6 * BS
+    (load,) = engine.tier.build_connector_meta(SchedulerOutput.make_empty()).loads
+    assert load.device_block_ids == engine.kv.get_block_ids("c")[0][:6]
+    assert load.host_block_ids == slots
+    # 24 tokens: the third host block would cover the last token, which must be computed,
+    # and a hit ends where a host block ends.
+    assert engine.tier.get_num_new_matched_tokens(_request("d", list(range(24))), 0) == 4 * BS

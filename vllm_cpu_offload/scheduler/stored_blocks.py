@@ -30,9 +30,13 @@ class StoredBlocks:
 
 
 def stored_runs(
-    request: Request, group_id: int, indices: list[int], block_size: int
+    request: Request, group_id: int, indices: list[int], block_size: int, k: int = 1
 ) -> list[StoredBlocks]:
-    """One record per run of consecutive block indices (ascending) of `request`."""
+    """One record per run of consecutive host block indices (ascending) of `request`.
+
+    A host block holds `k` device blocks of `block_size` tokens and is named by the hash of
+    its last one; its event reports a block of `k * block_size` tokens.
+    """
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
     hashes = request.block_hashes
@@ -45,18 +49,19 @@ def stored_runs(
         while end < len(indices) and indices[end] == indices[end - 1] + 1:
             end += 1
         first, last = indices[start], indices[end - 1] + 1
+        size = k * block_size
         extra, mm_index = [], 0
         for i in range(first, last):
             keys, mm_index = generate_block_hash_extra_keys(
-                request, i * block_size, (i + 1) * block_size, mm_index
+                request, i * size, (i + 1) * size, mm_index
             )
             extra.append(keys)
         runs.append(
             StoredBlocks(
                 group_id=group_id,
-                block_hashes=tuple(hashes[first:last]),
-                parent_block_hash=hashes[first - 1] if first > 0 else None,
-                token_ids=list(tokens[first * block_size : last * block_size]),
+                block_hashes=tuple(hashes[i * k + k - 1] for i in range(first, last)),
+                parent_block_hash=hashes[first * k - 1] if first > 0 else None,
+                token_ids=list(tokens[first * size : last * size]),
                 lora_id=lora.adapter_id if lora else None,
                 lora_name=lora.name if lora else None,
                 extra_keys=to_event_extra_keys(extra),

@@ -77,9 +77,15 @@ class HostTierScheduler:
         block_bytes: int,
         groups: Sequence[KVGroup] = FULL_ATTENTION_ONLY,
         record_events: bool = False,
+        blocks_per_host_block: int = 1,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
+        # k: a host block holds k consecutive device blocks of a request, keyed by the
+        # hash of its last one (which covers the whole prefix). Host block h occupies the
+        # worker's host slots [h * k, h * k + k). Windowed groups need k = 1.
+        self.k = blocks_per_host_block
+        assert self.k == 1 or all(g.is_full for g in groups), "k > 1 needs full attention"
         self.groups = tuple(groups)
         self._single_full_group = self.groups == FULL_ATTENTION_ONLY
         # Whether stores record what vLLM's BlockStored events say (KV events are on).
@@ -108,20 +114,30 @@ class HostTierScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens past the device hit that the host tier holds, in whole blocks."""
         state = self._state(request)
+        k = self.k
         first = num_computed_tokens // self.block_size
-        # At least one token must be computed to sample from.
+        # At least one token must be computed to sample from. A host block is looked up
+        # by its last device block's hash, so only host blocks that end by `last` count.
         last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        first_unit, last_unit = first // k, last // k
         hits = 0
-        if last > first:
+        if last_unit > first_unit:
             hashes = request.block_hashes
             if self._single_full_group:
-                hits = self.pool.count_hits(_keys(0, hashes, first, last))
+                units = self.pool.count_hits(self._keys(0, hashes, first_unit, last_unit))
             else:
-                hits = longest_hit(
-                    self.groups, self.block_size, first, last, self._is_ready(hashes)
+                units = longest_hit(
+                    self.groups,
+                    self.block_size * k,
+                    first_unit,
+                    last_unit,
+                    self._is_ready(hashes),
                 )
-                if hits:
-                    self.pool.touch(self._needed_keys(hashes, first, first + hits))
+                if units:
+                    end = (first_unit + units) * k
+                    self.pool.touch(self._needed_keys(hashes, first, end))
+            if units:
+                hits = (first_unit + units) * k - first
         state.lookup = (first, hits)
         self.stats.lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
         return hits * self.block_size
@@ -129,14 +145,16 @@ class HostTierScheduler:
     def _is_ready(self, hashes: Sequence[Any]) -> Callable[[int, int], bool]:
         state_of = self.pool.state_of
         ready = BlockState.READY
-        return lambda group_id, i: state_of((group_id, hashes[i])) is ready
+        k = self.k
+        return lambda group_id, u: state_of((group_id, hashes[(u + 1) * k - 1])) is ready
 
     def _needed_keys(self, hashes: Sequence[Any], first: int, end: int) -> list[BlockKey]:
-        """Each group's keys that a prefix of `end` blocks needs from block `first` on."""
+        """Each group's keys that a prefix of `end` blocks needs from block `first` on
+        (k = 1 when a group is windowed, so blocks and host blocks coincide there)."""
         keys: list[BlockKey] = []
         for group in self.groups:
             start = max(first, group.first_needed_block(end, self.block_size))
-            keys += _keys(group.group_id, hashes, start, end)
+            keys += self._keys(group.group_id, hashes, start // self.k, end // self.k)
         return keys
 
     def update_state_after_alloc(
@@ -152,29 +170,39 @@ class HostTierScheduler:
         state = self._state(request)
         first, hits = state.lookup
         hashes = request.block_hashes
+        k = self.k
         if first:
             # Device hits are uses of the host copies too: the policy keeps the chain warm.
-            self.pool.touch(self._needed_keys(hashes, 0, first))
+            self.pool.touch(self._needed_keys(hashes, 0, first // k * k))
         if num_external_tokens == 0:
             return
         count = num_external_tokens // self.block_size
         assert count * self.block_size == num_external_tokens and count <= hits
         end = first + count
+        assert end % k == 0, "a host hit ends at a host block's end"
+        null = self._null_block_id
         keys: list[BlockKey] = []
-        device_ids: list[int] = []
+        spans: list[tuple[int, list[int]]] = []  # per key: its group, the blocks it loads
         for group in self.groups:
             ids = device_block_ids[group.group_id]
-            for i in range(max(first, group.first_needed_block(end, self.block_size)), end):
-                if ids[i] != self._null_block_id:
-                    keys.append((group.group_id, hashes[i]))
-                    device_ids.append(ids[i])
-        host_ids = self.pool.pin(keys)
+            start = max(first, group.first_needed_block(end, self.block_size))
+            for unit in range(start // k, end // k):
+                span = [j for j in range(max(unit * k, start), unit * k + k) if ids[j] != null]
+                if span:
+                    keys.append((group.group_id, hashes[unit * k + k - 1]))
+                    spans.append((group.group_id, span))
+        device_ids: list[int] = []
+        slots: list[int] = []
+        for host_id, (group_id, span) in zip(self.pool.pin(keys), spans, strict=True):
+            ids = device_block_ids[group_id]
+            device_ids += [ids[j] for j in span]
+            slots += [host_id * k + j % k for j in span]
         job = self._new_job("load", request.request_id, keys)
-        self._step_loads.append(BlockTransfer(job, request.request_id, device_ids, host_ids))
+        self._step_loads.append(BlockTransfer(job, request.request_id, device_ids, slots))
         # The loaded blocks are in the host tier already: never store them again.
         state.planned_upto = max(state.planned_upto, end)
         self.stats.hit_tokens += num_external_tokens
-        self.stats.loaded_blocks += len(keys)
+        self.stats.loaded_blocks += len(device_ids)
 
     # ---- the step's metadata -----------------------------------------------------------
 
@@ -201,49 +229,56 @@ class HostTierScheduler:
 
     def _plan_store(self, state: _RequestState, num_scheduled: int) -> BlockTransfer | None:
         request = state.request
-        full = min(
-            len(request.block_hashes),
-            (request.num_computed_tokens + num_scheduled) // self.block_size,
+        k = self.k
+        full_units = (
+            min(
+                len(request.block_hashes),
+                (request.num_computed_tokens + num_scheduled) // self.block_size,
+            )
+            // k
         )
-        first = state.planned_upto
-        if full <= first:
+        first_unit = state.planned_upto // k  # planned_upto is a host block boundary
+        if full_units <= first_unit:
             return None
-        state.planned_upto = full
+        state.planned_upto = full_units * k
         hashes = request.block_hashes
         block_ids = self._kv_cache_manager.get_block_ids(request.request_id)
+        null = self._null_block_id
         device_ids: list[int] = []
+        slots: list[int] = []
         allocated: list[tuple[BlockKey, int]] = []
         stored: list[StoredBlocks] | None = [] if self.record_events else None
         for group in self.groups:
             ids = block_ids[group.group_id]
-            # Runs of blocks the group still holds: a sliding-window group may have released
-            # the oldest ones (its null block) when the request resumed past its window.
-            i = first
-            while i < full:
-                while i < full and ids[i] == self._null_block_id:
-                    i += 1
-                start = i
-                while i < full and ids[i] != self._null_block_id:
-                    i += 1
-                if start == i:
+            # Runs of host blocks whose device blocks the group still holds: a window group
+            # may have released the oldest ones (its null block) when the request resumed
+            # past its window.
+            u = first_unit
+            while u < full_units:
+                while u < full_units and null in ids[u * k : u * k + k]:
+                    u += 1
+                start = u
+                while u < full_units and null not in ids[u * k : u * k + k]:
+                    u += 1
+                if start == u:
                     continue
-                keys = _keys(group.group_id, hashes, start, i)
-                parent = (group.group_id, hashes[start - 1]) if start > 0 else None
+                keys = self._keys(group.group_id, hashes, start, u)
+                parent = (group.group_id, hashes[start * k - 1]) if start > 0 else None
                 got = self.pool.allocate_for_store(keys, parent)
                 index = {key: start + n for n, key in enumerate(keys)}
-                indices = [index[key] for key, _ in got]
-                device_ids += [ids[i] for i in indices]
+                units = [index[key] for key, _ in got]
+                for unit, (_, host_id) in zip(units, got, strict=True):
+                    device_ids += ids[unit * k : unit * k + k]
+                    slots += range(host_id * k, host_id * k + k)
                 allocated += got
                 if stored is not None and got:
-                    stored += stored_runs(request, group.group_id, indices, self.block_size)
+                    stored += stored_runs(request, group.group_id, units, self.block_size, k)
         if not allocated:
             return None
         job = self._new_job("store", request.request_id, [key for key, _ in allocated])
         self._jobs[job].stored = stored
         state.store_jobs.add(job)
-        return BlockTransfer(
-            job, request.request_id, device_ids, [host_id for _, host_id in allocated]
-        )
+        return BlockTransfer(job, request.request_id, device_ids, slots)
 
     # ---- completions -------------------------------------------------------------------
 
@@ -278,7 +313,7 @@ class HostTierScheduler:
             return
         self.pool.complete_store(job.keys, success, job.stored)
         if success:
-            self.stats.stored_blocks += len(job.keys)
+            self.stats.stored_blocks += len(job.keys) * self.k
         else:
             self.stats.failed_stores += 1
         state = self._requests.get(job.req_id)
@@ -304,7 +339,7 @@ class HostTierScheduler:
         events = self.pool.take_events()
         for event in events:
             if event.kind == "evicted":
-                self.stats.evicted_blocks += len(event.keys)
+                self.stats.evicted_blocks += len(event.keys) * self.k
         return events
 
     # ---- helpers -----------------------------------------------------------------------
@@ -315,6 +350,13 @@ class HostTierScheduler:
             state = self._requests[request.request_id] = _RequestState(request)
         return state
 
+    def _keys(
+        self, group_id: int, block_hashes: Sequence[Any], first_unit: int, last_unit: int
+    ) -> list[BlockKey]:
+        """The keys of host blocks [first_unit, last_unit): each one's last device block."""
+        k = self.k
+        return [(group_id, block_hashes[u * k + k - 1]) for u in range(first_unit, last_unit)]
+
     def _new_job(self, kind: Literal["load", "store"], req_id: str, keys: list[BlockKey]) -> int:
         job_id = self._next_job_id
         self._next_job_id += 1
@@ -324,7 +366,3 @@ class HostTierScheduler:
     @property
     def num_jobs_in_flight(self) -> int:
         return len(self._jobs)
-
-
-def _keys(group_id: int, block_hashes: Sequence[Any], first: int, last: int) -> list[BlockKey]:
-    return [(group_id, block_hashes[i]) for i in range(first, last)]
