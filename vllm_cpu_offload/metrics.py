@@ -36,6 +36,13 @@ COUNTERS = {
     "load_seconds": "Seconds the workers spent on loads.",
     "store_seconds": "Seconds the workers spent on stores.",
 }
+# stats key -> help text; counters named PREFIX + "group_" + key, with a `kv_cache_group`
+# label. In the stats payload their increments travel as "key:group id".
+GROUP_COUNTERS = {
+    "stored_blocks": "KV blocks copied to host memory, per KV cache group.",
+    "loaded_blocks": "KV blocks copied back from host memory, per KV cache group.",
+}
+GROUP_LABEL = "kv_cache_group"
 # stats key -> help text; gauges keep the latest value.
 GAUGES = {
     "host_usage_perc": "Fraction of the host tier's blocks in use (0-1).",
@@ -79,6 +86,10 @@ class SchedulerStatsReporter:
         now["stored_bytes"] = stats.stored_bytes
         now["loaded_bytes"] = stats.loaded_bytes
         now["failed_transfers"] = stats.failed_loads + stats.failed_stores
+        for group_id, blocks in stats.stored_by_group.items():
+            now[f"stored_blocks:{group_id}"] = blocks
+        for group_id, blocks in stats.loaded_by_group.items():
+            now[f"loaded_blocks:{group_id}"] = blocks
         data: dict[str, Any] = {
             key: value - self._last.get(key, 0)
             for key, value in now.items()
@@ -105,6 +116,14 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
             self._register(self._counter_cls, key, doc)
         for key, doc in GAUGES.items():
             self._register(self._gauge_cls, key, doc)
+        self._group_metrics: dict[str, Any] = {
+            key: self._counter_cls(
+                name=f"{PREFIX}group_{key}",
+                documentation=doc,
+                labelnames=[*self._labelnames, GROUP_LABEL],
+            )
+            for key, doc in GROUP_COUNTERS.items()
+        }
 
     def _register(self, cls: Any, key: str, doc: str) -> None:
         metric = cls(name=PREFIX + key, documentation=doc, labelnames=self._labelnames)
@@ -114,6 +133,13 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
+            if ":" in key:
+                name, group_id = key.split(":", 1)
+                metric = self._group_metrics.get(name)
+                labels = self.per_engine_labelvalues.get(engine_idx)
+                if metric is not None and labels is not None and value > 0:
+                    metric.labels(*labels, group_id).inc(value)
+                continue
             child = self._children.get(key, {}).get(engine_idx)
             if child is None:
                 continue

@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--device-blocks", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--offload-block-size", type=int, help="tokens per host block")
+    parser.add_argument("--metrics", action="store_true", help="report vLLM's metrics")
     args = parser.parse_args()
 
     # The flags work as LLM() keyword arguments with no import of the package by the script:
@@ -79,6 +80,7 @@ def main() -> None:
         max_model_len=args.doc_tokens + 2 * BLOCK_SIZE,
         dtype=args.dtype,
         seed=0,
+        disable_log_stats=not args.metrics,
         **flags,
     )
     from vllm_cpu_offload.testing.tiny_model import random_token_ids
@@ -94,10 +96,18 @@ def main() -> None:
         )
     (threads,) = llm.collective_rpc(worker_threads)
     (groups,) = llm.collective_rpc(kv_cache_groups)
+    metrics = {}
+    if args.metrics:
+        for metric in llm.get_metrics():
+            if metric.name.startswith("vllm:cpu_offload_"):
+                group = metric.labels.get("kv_cache_group")
+                name = metric.name + (f"{{{group}}}" if group is not None else "")
+                metrics[name] = getattr(metric, "value", None)
     result = {
         "requests": requests,
         "worker": threads,
         "kv_cache_groups": groups,
+        "metrics": metrics,
         "plugin": {"at_start": imported_at_start, "after_vllm": applied_by_vllm_import},
     }
     print("RESULT " + json.dumps(result))

@@ -31,7 +31,7 @@ def _run(model: str, *flags: str) -> dict[str, Any]:
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
         env.pop(name, None)
-    args = ("--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS))
+    args = ("--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), "--metrics")
     args += ("--device-blocks", str(DEVICE_BLOCKS), *flags)
     return dict(script_result("tests.e2e.long_document_run", model, *args, env=env, timeout=400))
 
@@ -61,3 +61,25 @@ def test_hybrid_rereads_come_from_host_with_the_tokens_of_the_run_without_flags(
     full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert all(r["cached"] >= full_blocks for r in rereads), rereads
     assert all(r["cached"] == 0 for r in without["requests"][DOCS:])
+
+
+def test_window_group_loads_only_its_window_per_group_metrics(
+    runs: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    # Per KV cache group (LLM.get_metrics names counters without _total): both groups
+    # stored every full block of the documents;
+    # on re-reads the full-attention group loaded every block after the device hit, the
+    # window group only the blocks of its 64-token window (2 or 3 per document).
+    without, with_flag = runs
+    assert not any(name.startswith("vllm:cpu_offload_") for name in without["metrics"])
+    full = with_flag["kv_cache_groups"].index("FullAttentionSpec")
+    window = 1 - full
+    metrics = with_flag["metrics"]
+    loaded = {g: metrics[f"vllm:cpu_offload_group_loaded_blocks{{{g}}}"] for g in (0, 1)}
+    stored = {g: metrics[f"vllm:cpu_offload_group_stored_blocks{{{g}}}"] for g in (0, 1)}
+    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE  # 9 per document
+    assert stored[full] == stored[window] >= DOCS * full_blocks, stored
+    assert loaded[full] >= DOCS * full_blocks - full_blocks, loaded  # most re-reads from host
+    window_blocks = WINDOW // BLOCK_SIZE + 1
+    assert 0 < loaded[window] <= DOCS * window_blocks < loaded[full], loaded
+    assert loaded[full] + loaded[window] == metrics["vllm:cpu_offload_loaded_blocks"]

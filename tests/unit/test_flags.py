@@ -239,3 +239,41 @@ def test_state_space_model_on_the_command_line_is_one_line_and_exit_2(
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --enable-cpu-offload holds attention KV blocks"), last
+
+
+def _extra(**extra: object) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAME, kv_role="kv_both", kv_connector_extra_config=extra
+    )
+
+
+@pytest.mark.parametrize("size", [0, -32, 1.5, "64", True])
+def test_offload_block_size_must_be_a_positive_number_of_tokens(size: object) -> None:
+    with pytest.raises(OffloadConfigError, match="offload_block_size must be a positive number"):
+        flags.resolve_offload(_args(kv_transfer_config=_extra(offload_block_size=size)))
+
+
+def test_offload_block_size_is_checked_against_the_engine_before_start(tiny_model: str) -> None:
+    # Not a multiple of the block size: refused with the fix; a multiple is taken.
+    args = EngineArgs(
+        model=tiny_model, block_size=32, kv_transfer_config=_extra(offload_block_size=48)
+    )
+    with pytest.raises(OffloadConfigError, match="not a multiple of the block size 32") as info:
+        args.create_engine_config()
+    assert "\n" not in str(info.value)
+    args = EngineArgs(
+        model=tiny_model, block_size=32, kv_transfer_config=_extra(offload_block_size=64)
+    )
+    config = args.create_engine_config().kv_transfer_config
+    assert config.kv_connector_extra_config["offload_block_size"] == 64
+
+
+def test_offload_block_size_refuses_sliding_window_layers(tiny_model: str) -> None:
+    import dataclasses
+
+    from vllm_cpu_offload.testing.tiny_model import TEST_SHAPE, ensure_tiny_llama
+
+    model = str(ensure_tiny_llama(dataclasses.replace(TEST_SHAPE, sliding_window=64)))
+    args = EngineArgs(model=model, block_size=32, kv_transfer_config=_extra(offload_block_size=64))
+    with pytest.raises(OffloadConfigError, match="needs full attention"):
+        args.create_engine_config()

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool, PoolEvent
@@ -193,7 +193,9 @@ class HostTierScheduler:
                     spans.append((group.group_id, span))
         device_ids: list[int] = []
         slots: list[int] = []
+        loaded = self.stats.loaded_by_group
         for host_id, (group_id, span) in zip(self.pool.pin(keys), spans, strict=True):
+            loaded[group_id] += len(span)
             ids = device_block_ids[group_id]
             device_ids += [ids[j] for j in span]
             slots += [host_id * k + j % k for j in span]
@@ -314,6 +316,9 @@ class HostTierScheduler:
         self.pool.complete_store(job.keys, success, job.stored)
         if success:
             self.stats.stored_blocks += len(job.keys) * self.k
+            stored = self.stats.stored_by_group
+            for key in job.keys:
+                stored[cast(tuple[int, Any], key)[0]] += self.k
         else:
             self.stats.failed_stores += 1
         state = self._requests.get(job.req_id)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -18,6 +19,9 @@ class TierStats:
     failed_loads: int = 0
     failed_stores: int = 0
     preempted_requests: int = 0
+    # Device blocks stored / loaded per KV cache group (vLLM's hybrid manager has several).
+    stored_by_group: Counter[int] = field(default_factory=Counter)
+    loaded_by_group: Counter[int] = field(default_factory=Counter)
 
     @property
     def loaded_bytes(self) -> int:
