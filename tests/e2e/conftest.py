@@ -41,6 +41,33 @@ def script_result(module: str, *args: str, env: dict[str, str], timeout: float) 
     return json.loads(line.removeprefix("RESULT "))
 
 
+def long_documents(model: str, *args: str) -> dict[str, Any]:
+    """Runs tests/e2e/long_document_run.py in a fresh process, the engine as users run it.
+
+    vLLM's default multiprocess engine, with vLLM's own binding of the worker's cores in
+    every arm (no core variables of this environment are passed on).
+    """
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
+        env.pop(name, None)
+    return dict(script_result("tests.e2e.long_document_run", model, *args, env=env, timeout=400))
+
+
+def assert_exact_with_host_rereads(
+    without: dict[str, Any], with_flag: dict[str, Any], docs: int, min_cached_tokens: int
+) -> None:
+    """Same greedy tokens in both runs; the second read of each document hit at least
+    `min_cached_tokens` with the flag and nothing without it (the device cache is too
+    small to keep them), so what it hit came from host memory."""
+    assert [r["tokens"] for r in with_flag["requests"]] == [
+        r["tokens"] for r in without["requests"]
+    ]
+    rereads = with_flag["requests"][docs:]
+    assert all(r["cached"] >= min_cached_tokens for r in rereads), rereads
+    assert all(r["cached"] == 0 for r in without["requests"][docs:])
+
+
 def make_llm(model: str, offload: bool, **overrides: Any) -> Any:
     from vllm import LLM
 

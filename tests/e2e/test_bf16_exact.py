@@ -7,13 +7,12 @@ a user; the worker reports its threads and binding from inside.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
 from tests.conftest import BLOCK_SIZE
-from tests.e2e.conftest import script_result
+from tests.e2e.conftest import assert_exact_with_host_rereads, long_documents
 
 pytestmark = pytest.mark.e2e
 
@@ -22,12 +21,7 @@ DOCS = 6
 
 
 def _run(model: str, *flags: str) -> dict[str, Any]:
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine runs as a user runs it
-    for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
-        env.pop(name, None)  # vLLM's own default binding, in both arms
-    args = ("--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), *flags)
-    return dict(script_result("tests.e2e.long_document_run", model, *args, env=env, timeout=400))
+    return long_documents(model, "--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), *flags)
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +45,8 @@ def test_bf16_greedy_tokens_equal_without_the_flag_and_rereads_hit_host(
 ) -> None:
     # Documents read twice; the device cache holds about two, so re-reads come from host.
     without, with_flag = runs
-    assert [r["tokens"] for r in with_flag["requests"]] == [
-        r["tokens"] for r in without["requests"]
-    ]
-    rereads = with_flag["requests"][DOCS:]
-    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert all(r["cached"] >= full_blocks for r in rereads), rereads
-    assert all(r["cached"] == 0 for r in without["requests"][DOCS:])
+    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE
+    assert_exact_with_host_rereads(without, with_flag, DOCS, full_blocks * BLOCK_SIZE)
 
 
 def test_host_blocks_of_two_device_blocks_give_the_same_tokens(
@@ -67,7 +56,5 @@ def test_host_blocks_of_two_device_blocks_give_the_same_tokens(
     # whole host blocks (8 of a document's 9 full device blocks); tokens stay the same.
     without, _ = runs
     pairs = _run(tiny_model, "--offload", "--offload-block-size", str(2 * BLOCK_SIZE))
-    assert [r["tokens"] for r in pairs["requests"]] == [r["tokens"] for r in without["requests"]]
     full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE
-    rereads = pairs["requests"][DOCS:]
-    assert all(r["cached"] >= full_blocks // 2 * 2 * BLOCK_SIZE for r in rereads), rereads
+    assert_exact_with_host_rereads(without, pairs, DOCS, full_blocks // 2 * 2 * BLOCK_SIZE)

@@ -9,13 +9,12 @@ bf16, one request at a time, the engine as users run it, as in test_bf16_exact.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import pytest
 
 from tests.conftest import BLOCK_SIZE
-from tests.e2e.conftest import script_result
+from tests.e2e.conftest import assert_exact_with_host_rereads, long_documents
 from vllm_cpu_offload.testing.tiny_model import TEST_SHAPE, ensure_tiny_llama
 
 pytestmark = pytest.mark.e2e
@@ -27,13 +26,8 @@ DEVICE_BLOCKS = 32  # shared by both groups: a document takes 10 full-attention 
 
 
 def _run(model: str, *flags: str) -> dict[str, Any]:
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
-        env.pop(name, None)
     args = ("--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), "--metrics")
-    args += ("--device-blocks", str(DEVICE_BLOCKS), *flags)
-    return dict(script_result("tests.e2e.long_document_run", model, *args, env=env, timeout=400))
+    return long_documents(model, *args, "--device-blocks", str(DEVICE_BLOCKS), *flags)
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +48,8 @@ def test_hybrid_rereads_come_from_host_with_the_tokens_of_the_run_without_flags(
     runs: tuple[dict[str, Any], dict[str, Any]],
 ) -> None:
     without, with_flag = runs
-    assert [r["tokens"] for r in with_flag["requests"]] == [
-        r["tokens"] for r in without["requests"]
-    ]
-    rereads = with_flag["requests"][DOCS:]
-    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert all(r["cached"] >= full_blocks for r in rereads), rereads
-    assert all(r["cached"] == 0 for r in without["requests"][DOCS:])
+    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE
+    assert_exact_with_host_rereads(without, with_flag, DOCS, full_blocks * BLOCK_SIZE)
 
 
 def test_window_group_loads_only_its_window_per_group_metrics(
