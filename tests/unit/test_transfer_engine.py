@@ -301,3 +301,54 @@ def test_cuda_dma_stores_wait_for_the_step_and_land() -> None:
     for name, t in caches.items():
         assert torch.equal(_host_block(engine, name, 2), _device_block(t, 4))
         assert torch.equal(_host_block(engine, name, 0), _device_block(t, 1))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_shared_tensor_is_stored_after_its_last_writer() -> None:
+    # vLLM's hybrid manager: layer i of the full group and layer i of the window group
+    # share one tensor, each writing the blocks its group owns. A store of that tensor is
+    # queued only once both layers ran; the copy then holds both layers' writes.
+    caches = _caches("cuda")
+    names = list(caches)
+    shared = {**caches, **{f"{n}.window": caches[n] for n in names}}
+    host = HostBuffer.for_kv_caches(shared, NUM_HOST_BLOCKS)
+    host.tensor.zero_()
+    engine = TransferEngine(shared, host, copier=_cuda_copier("triton", caches, host))
+    stores = [TransferJob(2, [3, 6], [0, 1])]
+    for name in names:
+        caches[name][3].add_(1)  # the full group's layer writes block 3
+        engine.store_layer(name, stores)
+    for name in names:
+        caches[name][6].add_(2)  # then the window group's layer writes block 6
+        engine.store_layer(f"{name}.window", stores)
+    engine.finish_step()
+    engine.wait_all()
+    assert engine.poll_finished() == FinishedJobs(stores={2})
+    for name, t in caches.items():
+        assert torch.equal(_host_block(engine, name, 0), _device_block(t, 3))
+        assert torch.equal(_host_block(engine, name, 1), _device_block(t, 6))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_fenced_step_waits_for_the_stores_still_running() -> None:
+    # With fence_stores, the next step's compute may overwrite a block a store still reads
+    # (a window group released it): the copy must see the old bytes.
+    caches = _caches("cuda")
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    host.tensor.zero_()
+    engine = TransferEngine(
+        caches, host, copier=_cuda_copier("triton", caches, host), fence_stores=True
+    )
+    before = {name: _device_block(t, 4) for name, t in caches.items()}
+    stores = [TransferJob(7, [4], [2])]
+    for name in caches:
+        engine.store_layer(name, stores)
+    engine.finish_step()
+    engine.begin_step()  # the next step: its compute reuses block 4 at once
+    for t in caches.values():
+        t[4].zero_()
+    engine.wait_all()
+    for name in caches:
+        assert torch.equal(_host_block(engine, name, 2), before[name])
