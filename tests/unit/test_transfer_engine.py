@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -334,7 +335,8 @@ def test_cuda_shared_tensor_is_stored_after_its_last_writer() -> None:
 @cuda
 def test_cuda_fenced_step_waits_for_the_stores_still_running() -> None:
     # With fence_stores, the next step's compute may overwrite a block a store still reads
-    # (a window group released it): the copy must see the old bytes.
+    # (a window group released it), so it starts only once the store stream is done: here
+    # the store stream is held ~50 ms, and the next step's first compute has not run 5 ms in.
     caches = _caches("cuda")
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     host.tensor.zero_()
@@ -342,13 +344,24 @@ def test_cuda_fenced_step_waits_for_the_stores_still_running() -> None:
         caches, host, copier=_cuda_copier("triton", caches, host), fence_stores=True
     )
     before = {name: _device_block(t, 4) for name, t in caches.items()}
+    # Load the kernels used below now: CUDA loads a module lazily at its first launch, and
+    # that launch waits for the device to be idle, the store stream included.
+    torch.cuda._sleep(1)
+    torch.empty_like(caches[next(iter(caches))][4]).zero_()
+    torch.cuda.synchronize()
     stores = [TransferJob(7, [4], [2])]
     for name in caches:
         engine.store_layer(name, stores)
     engine.finish_step()
+    with torch.cuda.stream(engine._store_stream):
+        torch.cuda._sleep(100_000_000)  # the store stream is still busy
     engine.begin_step()  # the next step: its compute reuses block 4 at once
+    first_compute = torch.cuda.Event()
+    first_compute.record()
     for t in caches.values():
         t[4].zero_()
+    time.sleep(0.005)
+    assert not first_compute.query(), "the next step's compute did not wait for the stores"
     engine.wait_all()
     for name in caches:
         assert torch.equal(_host_block(engine, name, 2), before[name])
