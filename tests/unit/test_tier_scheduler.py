@@ -346,3 +346,24 @@ def test_host_blocks_of_two_device_blocks() -> None:
     # 24 tokens: the third host block would cover the last token, which must be computed,
     # and a hit ends where a host block ends.
     assert engine.tier.get_num_new_matched_tokens(_request("d", list(range(24))), 0) == 4 * BS
+
+
+def test_resumed_hybrid_request_stores_around_the_window_groups_null_blocks() -> None:
+    # A twin resumed from the host tier holds vLLM's null block for window blocks 0-3.
+    # The host tier then loses everything (a reset stands in for evictions), and the twin is
+    # preempted: its store plan restarts at block 0 and stores every block it holds, all 7
+    # of the full group and window blocks 4-6, never the null block.
+    engine = Engine(host_blocks=16, sliding_window=8)
+    engine.report(_prefill(engine, _request("a", list(range(26)))).stores[0].job_id)
+    twin = _request("b", list(range(26)))
+    assert engine.admit(twin) == 6 * BS
+    engine.report(engine.tier.build_connector_meta(SchedulerOutput.make_empty()).loads[0].job_id)
+    engine.tier.pool.reset()
+    engine.step({}, preempted={"b"})
+    twin.append_output_token_ids([1, 2])  # 28 tokens: block 6 is full after this step
+    engine.kv.allocate_slots(twin, 4)
+    (store,) = engine.step({"b": 4}).stores
+    full, window = engine.kv.get_block_ids("b")
+    null = engine.kv.block_pool.null_block.block_id
+    assert window[:4] == [null] * 4
+    assert store.device_block_ids == full[:7] + window[4:7]
