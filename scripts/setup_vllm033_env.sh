@@ -83,7 +83,7 @@ fi
 
 # The wheel (336 MB), cached and checked like fetch_vllm_sdist.sh does with the sdist.
 mkdir -p "$CACHE"
-if ! echo "$SHA256  $CACHE/$WHEEL" | sha256sum -c --quiet 2>/dev/null; then
+if ! echo "$SHA256  $CACHE/$WHEEL" | sha256sum -c --quiet >/dev/null 2>&1; then
   curl -sSfL --retry 3 -m 900 -o "$CACHE/$WHEEL.part" "$URL"
   echo "$SHA256  $CACHE/$WHEEL.part" | sha256sum -c --quiet
   mv "$CACHE/$WHEEL.part" "$CACHE/$WHEEL"
