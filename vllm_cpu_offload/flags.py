@@ -8,7 +8,8 @@ vLLM 0.32 and 0.33 have no extension point for engine flags, so this module wrap
 - `from_cli_args` copies them from the parsed namespace and validates them, printing a
   one-line error and exiting before anything starts;
 - `create_engine_config` turns them into a `kv_transfer_config` naming our connector, and
-  refuses a model the host tier cannot serve (Mamba-style state).
+  refuses what the host tier cannot serve (Mamba-style state; host blocks of several
+  device blocks with windowed attention).
 
 `check_vllm_version` refuses any vLLM but those this patch was written and tested for.
 
