@@ -9,6 +9,7 @@ the fix. This module does not import vLLM.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,12 +53,16 @@ class OffloadConfig:
         copy_backend: how CUDA workers copy blocks (see `COPY_BACKENDS`).
         offload_block_size: tokens per host block, a multiple of vLLM's block size (a host
             block then holds that many device blocks); None: vLLM's block size.
+        swap_space_path: a directory where the host tier lives in memory-mapped files with
+            its index, so that a restarted engine serves the blocks (persist/); None: the
+            tier is anonymous memory, lost with the engine.
     """
 
     swap_space_gib: float = DEFAULT_SWAP_SPACE_GIB
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     copy_backend: str = DEFAULT_COPY_BACKEND
     offload_block_size: int | None = None
+    swap_space_path: str | None = None
 
     @property
     def swap_space_bytes(self) -> int:
@@ -71,6 +76,8 @@ class OffloadConfig:
         }
         if self.offload_block_size is not None:
             extra["offload_block_size"] = self.offload_block_size
+        if self.swap_space_path is not None:
+            extra["swap_space_path"] = self.swap_space_path
         return extra
 
     def blocks_per_host_block(self, block_size: int) -> int:
@@ -90,7 +97,13 @@ class OffloadConfig:
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> OffloadConfig:
         """Parses `kv_connector_extra_config`; unknown keys and bad values raise."""
         extra = dict(extra or {})
-        allowed = ("swap_space_gib", "eviction_policy", "copy_backend", "offload_block_size")
+        allowed = (
+            "swap_space_gib",
+            "eviction_policy",
+            "copy_backend",
+            "offload_block_size",
+            "swap_space_path",
+        )
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
             raise OffloadConfigError(
@@ -115,11 +128,13 @@ class OffloadConfig:
                 f"offload_block_size must be a positive number of tokens, a multiple of the "
                 f"block size (e.g. 64), got {size!r}"
             )
+        path = extra.get("swap_space_path")
         return cls(
             swap_space_gib=swap,
             eviction_policy=policy,
             copy_backend=backend,
             offload_block_size=size,
+            swap_space_path=None if path is None else parse_swap_space_path(path),
         )
 
 
@@ -140,6 +155,16 @@ def parse_swap_space(value: object, name: str = "--swap-space") -> float:
     return gib
 
 
+def parse_swap_space_path(value: object, name: str = "--swap-space-path") -> str:
+    """Returns the tier directory as an absolute path, or raises. Checks only the value;
+    the directory itself is checked by `persist.directory.check_tier_directory`."""
+    if not isinstance(value, str) or not value.strip():
+        raise OffloadConfigError(
+            f"{name} must be a directory path (e.g. {name} /dev/shm/vllm-kv), got {value!r}"
+        )
+    return os.path.abspath(os.path.expanduser(value))
+
+
 def available_host_memory_bytes() -> int:
     """Host memory that can be allocated now (MemAvailable), in bytes."""
     import psutil
@@ -148,8 +173,14 @@ def available_host_memory_bytes() -> int:
 
 
 def check_fits_in_host_memory(config: OffloadConfig, num_workers: int = 1) -> None:
-    """Refuses a swap space larger than the host memory available now."""
+    """Refuses a swap space larger than the host memory available now (with
+    `swap_space_path`: larger than the space its file system has for the tier)."""
     wanted = config.swap_space_bytes * num_workers
+    if config.swap_space_path is not None:
+        from vllm_cpu_offload.persist.directory import check_tier_fits
+
+        check_tier_fits(config.swap_space_path, wanted, config.swap_space_gib, num_workers)
+        return
     available = available_host_memory_bytes()
     if wanted > available:
         raise OffloadConfigError(

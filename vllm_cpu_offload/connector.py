@@ -26,12 +26,16 @@ from vllm_cpu_offload.config import GIB, OffloadConfig, OffloadConfigError
 from vllm_cpu_offload.events import to_kv_events
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadPromMetrics, OffloadStats, SchedulerStatsReporter
+from vllm_cpu_offload.persist.block_index import BlockIndex
+from vllm_cpu_offload.persist.data_file import TierDataFile
+from vllm_cpu_offload.persist.fingerprint import this_worker_name, tier_fingerprint, worker_names
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
 from vllm_cpu_offload.scheduler.policies import make_policy
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
 
-logger = init_logger(__name__)
+# Under vLLM's logger, so that its handler and format show these lines as vLLM's own.
+logger = init_logger("vllm.cpu_offload")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,6 +84,17 @@ def num_host_blocks_for(config: OffloadConfig, block_bytes: int) -> int:
     return blocks
 
 
+def _log_restore(index: BlockIndex, adopted: int) -> None:
+    why = index.rebuilt_because
+    if why is None:
+        torn = f", {index.torn_records} torn record(s) dropped" if index.torn_records else ""
+        logger.info("CPU offload tier at %s: %d blocks restored%s", index.path, adopted, torn)
+    elif why == "new":
+        logger.info("CPU offload tier at %s: created", index.path)
+    else:
+        logger.warning("CPU offload tier at %s starts empty: %s", index.path, why)
+
+
 class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Keeps evicted KV blocks in host memory and loads them back within the step.
 
@@ -112,13 +127,29 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats_reporter = SchedulerStatsReporter()
         self.scheduler: HostTierScheduler | None = None
         self.worker: HostTierWorker | None = None
+        path = self.offload_config.swap_space_path
+        fingerprint = (
+            tier_fingerprint(vllm_config, self.kv_groups, self.num_host_blocks, k)
+            if path is not None
+            else {}
+        )
+        self._index: BlockIndex | None = None
         if role == KVConnectorRole.SCHEDULER:
             if len(self.kv_groups) > 1:
                 logger.info("CPU offload serves KV cache groups: %s", describe(self.kv_groups))
+            if path is not None:
+                self._index = BlockIndex(
+                    path, fingerprint, self.num_host_blocks, worker_names(vllm_config)
+                )
+                restored = self._index.open()
             pool = HostBlockPool(
                 self.num_host_blocks,
                 make_policy(self.offload_config.eviction_policy, self.num_host_blocks),
+                index=self._index,
             )
+            if self._index is not None:
+                adopted = pool.restore((b.host_id, b.key, b.parent) for b in restored)
+                _log_restore(self._index, adopted)
             parallel = vllm_config.parallel_config
             self.scheduler = HostTierScheduler(
                 pool,
@@ -135,6 +166,11 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = HostTierWorker(
                 self.num_host_blocks * k,
                 kv_cache_config.num_blocks,
+                data_file=(
+                    TierDataFile(path, this_worker_name(), fingerprint)
+                    if path is not None
+                    else None
+                ),
                 copy_backend=self.offload_config.copy_backend,
                 # A sliding-window group releases blocks while its request runs: a store
                 # still reading one must end before the next step's compute may reuse it.
@@ -220,6 +256,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self._index is not None:
+            self._index.close()
 
     @classmethod
     @override

@@ -1,10 +1,12 @@
-"""Patch `engine_args_flags`: `--enable-cpu-offload` and `--swap-space` on EngineArgs.
+"""Patch `engine_args_flags`: `--enable-cpu-offload`, `--swap-space` and `--swap-space-path`
+on EngineArgs.
 
 vLLM 0.32 and 0.33 have no extension point for engine flags, so this module wraps four members of
 `EngineArgs` (and the dataclass `__init__` of `AsyncEngineArgs`), nothing else:
 
-- `__init__` accepts `enable_cpu_offload` and `swap_space` (so `LLM(..., swap_space=8)` works);
-- `add_cli_args` adds the two flags to every parser vLLM builds (`vllm serve` included);
+- `__init__` accepts `enable_cpu_offload`, `swap_space` and `swap_space_path` (so
+  `LLM(..., swap_space=8)` works);
+- `add_cli_args` adds the flags to every parser vLLM builds (`vllm serve` included);
 - `from_cli_args` copies them from the parsed namespace and validates them, printing a
   one-line error and exiting before anything starts;
 - `create_engine_config` turns them into a `kv_transfer_config` naming our connector, and
@@ -17,7 +19,8 @@ Flag semantics (also in the README):
 - `--enable-cpu-offload` alone: a host tier of `DEFAULT_SWAP_SPACE_GIB` GiB per worker.
 - `--swap-space N` without `--enable-cpu-offload`: an error. The flag sizes the host tier and
   turns nothing on by itself, so that vLLM with the package and no enable flag behaves
-  exactly as vLLM without it.
+  exactly as vLLM without it. The same holds for `--swap-space-path DIR`, which keeps the
+  tier in files in DIR that outlive the engine.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from vllm_cpu_offload.config import (
     check_fits_in_host_memory,
     names_our_connector,
     parse_swap_space,
+    parse_swap_space_path,
 )
+from vllm_cpu_offload.persist.directory import check_tier_directory
 
 # Every vLLM release the package is tested against (README: "Supported vLLM").
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
@@ -78,6 +83,7 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     """
     enabled = bool(getattr(engine_args, "enable_cpu_offload", False))
     swap_space = getattr(engine_args, "swap_space", None)
+    swap_space_path = getattr(engine_args, "swap_space_path", None)
     ktc = engine_args.kv_transfer_config
     names_ours = names_our_connector(ktc)
     if not enabled:
@@ -85,6 +91,11 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
             raise OffloadConfigError(
                 "--swap-space sizes the host KV tier and needs --enable-cpu-offload; "
                 "add --enable-cpu-offload or drop --swap-space"
+            )
+        if swap_space_path is not None:
+            raise OffloadConfigError(
+                "--swap-space-path keeps the host KV tier in files and needs "
+                "--enable-cpu-offload; add --enable-cpu-offload or drop --swap-space-path"
             )
         if not names_ours:
             return None
@@ -101,13 +112,20 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
             else OffloadConfig()
         )
         gib = parse_swap_space(swap_space) if swap_space is not None else base.swap_space_gib
-        config = dataclasses.replace(base, swap_space_gib=gib)
+        path = (
+            parse_swap_space_path(swap_space_path)
+            if swap_space_path is not None
+            else base.swap_space_path
+        )
+        config = dataclasses.replace(base, swap_space_gib=gib, swap_space_path=path)
     if getattr(engine_args, "kv_offloading_size", None) is not None:
         raise OffloadConfigError(
             "--enable-cpu-offload cannot be combined with vLLM's own --kv-offloading-size; "
             "drop --kv-offloading-size"
         )
     workers = int(engine_args.tensor_parallel_size) * int(engine_args.pipeline_parallel_size)
+    if config.swap_space_path is not None:
+        check_tier_directory(config.swap_space_path)
     check_fits_in_host_memory(config, workers)
     return config
 
@@ -131,6 +149,10 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
             f"{model_config.model} has sliding-window or chunked attention layers; drop "
             f"offload_block_size"
         )
+    if config.swap_space_path is not None:
+        from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
+
+        check_stable_block_hashes(vllm_config.cache_config.prefix_caching_hash_algo)
     if model_config.is_attention_free or model_config.is_hybrid:
         kind = "attention-free" if model_config.is_attention_free else "hybrid state-space"
         raise OffloadConfigError(
@@ -173,6 +195,14 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Host memory for offloaded KV blocks, in GiB per worker. Needs --enable-cpu-offload.",
     )
+    group.add_argument(
+        "--swap-space-path",
+        type=str,
+        default=None,
+        help="Keep the host KV tier in memory-mapped files in this directory (e.g. on "
+        "/dev/shm, or a local disk to survive reboots), so that a restarted engine with the "
+        "same model and layout serves the blocks. Needs --enable-cpu-offload.",
+    )
 
 
 def applied() -> bool:
@@ -210,6 +240,7 @@ def apply() -> None:
         engine_args = original_from_cli(cls, args)
         engine_args.enable_cpu_offload = bool(getattr(args, "enable_cpu_offload", False))
         engine_args.swap_space = getattr(args, "swap_space", None)
+        engine_args.swap_space_path = getattr(args, "swap_space_path", None)
         _from_cli.add(id(engine_args))
         weakref.finalize(engine_args, _from_cli.discard, id(engine_args))
         try:
@@ -251,10 +282,12 @@ def _wrap_init(original: Any) -> Any:
         *args: Any,
         enable_cpu_offload: bool = False,
         swap_space: float | str | None = None,
+        swap_space_path: str | None = None,
         **kwargs: Any,
     ) -> None:
         original(self, *args, **kwargs)
         self.enable_cpu_offload = enable_cpu_offload
         self.swap_space = swap_space
+        self.swap_space_path = swap_space_path
 
     return __init__

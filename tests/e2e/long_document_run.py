@@ -5,8 +5,8 @@ executor binds the worker's OpenMP threads exactly as it does for a user. The JS
 greedy tokens and cached-token counts of every request, and the worker's OpenMP threads and
 CPU binding, read inside the worker.
 
-    python -m tests.e2e.long_document_run MODEL [--offload [--offload-block-size N]]
-        [--dtype bfloat16]
+    python -m tests.e2e.long_document_run MODEL [--offload [--offload-block-size N]
+        [--swap-space-path DIR]] [--dtype bfloat16] [--reads 2]
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--offload-block-size", type=int, help="tokens per host block")
     parser.add_argument("--metrics", action="store_true", help="report vLLM's metrics")
+    parser.add_argument("--swap-space-path", help="keep the host tier in files in this directory")
+    parser.add_argument("--reads", type=int, default=2, help="times each document is read")
     args = parser.parse_args()
 
     # The flags work as LLM() keyword arguments with no import of the package by the script:
@@ -64,6 +66,8 @@ def main() -> None:
 
     applied_by_vllm_import = "vllm_cpu_offload.flags" in sys.modules
     flags: dict[str, Any] = dict(enable_cpu_offload=True, swap_space=0.05) if args.offload else {}
+    if args.swap_space_path:
+        flags["swap_space_path"] = args.swap_space_path
     if args.offload_block_size:
         from vllm.config.kv_transfer import KVTransferConfig
 
@@ -89,7 +93,7 @@ def main() -> None:
     docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     requests = []
-    for doc in docs + docs:  # every document read twice, one request at a time
+    for doc in docs * args.reads:  # every document read `reads` times, one at a time
         out = llm.generate([TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False)[0]
         requests.append(
             {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}

@@ -17,9 +17,9 @@ Every operation is O(1) per block it names (dict look-ups and intrusive lists), 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, Protocol, cast
 
 from .policies.base import BlockKey, BlockState, EvictionPolicy, HostBlock
 
@@ -38,10 +38,25 @@ class PoolEvent:
     detail: object = None
 
 
+class PoolIndex(Protocol):
+    """What a persisted index (persist/block_index.py) hears of the pool: blocks that became
+    visible, in chain order, and blocks about to be reused."""
+
+    def record(self, entries: Sequence[tuple[int, BlockKey, BlockKey | None]]) -> None: ...
+
+    def clear(self, host_id: int) -> None: ...
+
+
 class HostBlockPool:
     """Host block ids for `num_blocks` blocks, keyed by (KV group id, block hash)."""
 
-    def __init__(self, num_blocks: int, policy: EvictionPolicy, record_events: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: EvictionPolicy,
+        record_events: bool = True,
+        index: PoolIndex | None = None,
+    ):
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -54,6 +69,9 @@ class HostBlockPool:
         self._num_pinned = 0
         self._record_events = record_events
         self._events: list[PoolEvent] = []
+        # Told of every block that becomes READY and of every block released, before its
+        # id can be handed out again: what a restarted engine may serve.
+        self._index = index
 
     # ----- sizes -----
 
@@ -263,6 +281,13 @@ class HostBlockPool:
         checked = cast("list[HostBlock]", done)  # no None: checked above
         if success:
             self.policy.on_ready(checked)
+            if self._index is not None:
+                self._index.record(
+                    [
+                        (b.block_id, b.key, None if b.parent is None else b.parent.key)
+                        for b in reversed(checked)
+                    ]
+                )
             if self._record_events:
                 self._events.append(PoolEvent("stored", tuple(keys), detail))
         else:
@@ -272,6 +297,40 @@ class HostBlockPool:
                 self._release(block)
 
     # ----- maintenance -----
+
+    def restore(self, blocks: Iterable[tuple[int, BlockKey, BlockKey | None]]) -> int:
+        """Adopts blocks a persisted tier holds as READY: (host id, key, parent key), oldest
+        first, so that parents come before their children. Only on a pool that holds
+        nothing yet. O(num_blocks).
+
+        Returns:
+            How many blocks were adopted (ids out of range and repeated keys are skipped).
+        """
+        assert not self._held, "restore() is for a pool that holds nothing"
+        adopted = 0
+        for host_id, key, parent_key in blocks:
+            if not 0 <= host_id < self.num_blocks or key in self._held:
+                continue
+            block = self._blocks[host_id]
+            parent = self._held.get(parent_key) if parent_key is not None else None
+            block.key = key
+            block.orphan = parent_key is not None and parent is None
+            if parent is not None:
+                block.parent = parent
+                block.next_sibling = parent.first_child
+                if parent.first_child is not None:
+                    parent.first_child.prev_sibling = block
+                parent.first_child = block
+                parent.num_children += 1
+            self._held[key] = block
+            # One at a time, oldest first: the policy's recency follows the tier's history.
+            self.policy.on_insert([block])
+            block.state = BlockState.READY
+            self.policy.on_ready([block])
+            adopted += 1
+        if adopted:
+            self._free = [b for b in self._blocks[::-1] if b.key is None]
+        return adopted
 
     def reset(self) -> int:
         """Drops every READY, unpinned block (vLLM's reset_prefix_cache). O(blocks held).
@@ -362,6 +421,8 @@ class HostBlockPool:
     def _release(self, block: HostBlock) -> None:
         """Frees a block the policy no longer lists; its children become orphans."""
         assert block.pin_count == 0 and block.owner is None
+        if self._index is not None:
+            self._index.clear(block.block_id)
         del self._held[block.key]
         parent = block.parent
         if parent is not None:

@@ -14,7 +14,9 @@ model, against 1.3 ms once its pages exist), and memory the host cannot back fai
 not in the middle of serving. Pinning registers an ordinary allocation with
 `cudaHostRegister` instead of asking torch for pinned memory: torch's pinned allocator rounds
 every request up to a power of two, so a 40 GiB `--swap-space` would lock 64 GiB.
-The same layout can live in device memory (`device=`): a few blocks of staging for copies
+With `--swap-space-path` the same layout lives in a shared mapping of a file that outlives
+the process (`data_file=`, persist/data_file.py). The same layout can live in device memory
+(`device=`): a few blocks of staging for copies
 that move whole blocks over PCIe (`staged_copy.py`).
 This module imports torch only.
 """
@@ -26,6 +28,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
 
 GIB = 1 << 30
@@ -61,6 +64,7 @@ class HostBuffer:
         *,
         pin: bool | None = None,
         device: torch.device | None = None,
+        data_file: TierDataFile | None = None,
     ) -> None:
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks must be >= 1, got {num_host_blocks}")
@@ -79,6 +83,9 @@ class HostBuffer:
         if on_device:  # staging, not --swap-space: an allocation error speaks for itself
             shape = (num_host_blocks, self.block_bytes)
             self.tensor = torch.empty(shape, dtype=torch.uint8, device=device)
+        elif data_file is not None:
+            described = {name: repr(layout) for name, layout in self.layouts.items()}
+            self.tensor = data_file.map(num_host_blocks, self.block_bytes, described)
         else:
             self.tensor = _allocate(num_host_blocks, self.block_bytes)
         if self.pinned:
@@ -94,6 +101,7 @@ class HostBuffer:
         *,
         num_blocks: int | None = None,
         pin: bool | None = None,
+        data_file: TierDataFile | None = None,
     ) -> HostBuffer:
         """A buffer with one slot per distinct layer tensor (shared KV caches share a slot)."""
         canonical = canonical_layers(kv_caches)
@@ -101,7 +109,7 @@ class HostBuffer:
             name: KVLayout.from_tensor(kv_caches[name], num_blocks=num_blocks)
             for name in dict.fromkeys(canonical.values())
         }
-        return cls(layouts, num_host_blocks, pin=pin)
+        return cls(layouts, num_host_blocks, pin=pin, data_file=data_file)
 
     @property
     def nbytes(self) -> int:

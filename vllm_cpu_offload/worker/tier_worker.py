@@ -15,6 +15,7 @@ import torch
 
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadStats
+from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.fault_injection import FaultInjector
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine, TransferJob
@@ -34,6 +35,7 @@ class HostTierWorker:
         num_host_blocks: int,
         num_device_blocks: int,
         *,
+        data_file: TierDataFile | None = None,
         copy_backend: str = "auto",
         fence_stores: bool = False,
     ) -> None:
@@ -41,6 +43,8 @@ class HostTierWorker:
         self.fence_stores = fence_stores
         self.copy_backend = copy_backend
         self.num_device_blocks = num_device_blocks
+        # With --swap-space-path the host buffer is this file, mapped; else anonymous memory.
+        self.data_file = data_file
         self.engine: TransferEngine | None = None
         self._step_stores: list[TransferJob] = []
         self._store_req: dict[int, str] = {}  # store job in flight -> request
@@ -57,7 +61,10 @@ class HostTierWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         host = HostBuffer.for_kv_caches(
-            kv_caches, self.num_host_blocks, num_blocks=self.num_device_blocks
+            kv_caches,
+            self.num_host_blocks,
+            num_blocks=self.num_device_blocks,
+            data_file=self.data_file,
         )
         self.engine = TransferEngine(
             kv_caches, host, backend=self.copy_backend, fence_stores=self.fence_stores
@@ -183,3 +190,5 @@ class HostTierWorker:
 
     def shutdown(self) -> None:
         self.drain()
+        if self.data_file is not None:
+            self.data_file.close()

@@ -1,0 +1,207 @@
+"""The persisted index of a tier: which key each host block holds, kept by the scheduler half.
+
+`index.bin` has one fixed-size record per host block, in a shared mapping of the file, and
+`tier.json` says what the tier is: its fingerprint, its size, and the incarnation of every
+worker's data file it describes. A record is written when a block's store has finished on
+every worker (its bytes are complete in the data files) and cleared when the block leaves
+the pool, which happens before its host block can be handed to a new store. So a crash at
+any moment leaves records only for complete blocks; a record torn by the crash fails its
+checksum and is dropped. Records carry a monotonic stamp (restore order, oldest first) and
+the key of the block's parent in its chain (the eviction policies' chain links).
+
+Both calls are O(1) per block: one `struct.pack_into` into the mapping.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_cpu_offload.persist import directory as tier_dir
+from vllm_cpu_offload.persist.data_file import read_incarnation
+from vllm_cpu_offload.persist.fingerprint import differences
+
+# crc32 of the rest | valid | group id | key length | parent key length | stamp | key | parent
+_RECORD = struct.Struct("<IBHBBQ32s32s")
+RECORD_BYTES = 96
+_BODY = slice(4, _RECORD.size)
+MAX_KEY_BYTES = 32
+_CLEARED = bytes(8)  # crc 0 and valid 0: a record that no checksum matches
+
+
+@dataclass(frozen=True)
+class IndexedBlock:
+    """A host block the index holds: where, which key, under which parent key."""
+
+    host_id: int
+    key: tuple[int, bytes]
+    parent: tuple[int, bytes] | None
+    stamp: int
+
+
+def _encode(stamp: int, key: Any, parent: Any) -> bytes | None:
+    group_id, block_hash = key
+    parent_hash = b"" if parent is None else parent[1]
+    if not isinstance(block_hash, bytes) or len(block_hash) > MAX_KEY_BYTES:
+        return None
+    if len(parent_hash) > MAX_KEY_BYTES:
+        parent_hash = b""
+    packed = bytearray(
+        _RECORD.pack(0, 1, group_id, len(block_hash), len(parent_hash), stamp, block_hash,
+                     parent_hash)
+    )
+    struct.pack_into("<I", packed, 0, zlib.crc32(packed[_BODY]))
+    return bytes(packed)
+
+
+def _decode(host_id: int, raw: bytes) -> IndexedBlock | None:
+    crc, valid, group_id, key_len, parent_len, stamp, key, parent = _RECORD.unpack(
+        raw[: _RECORD.size]
+    )
+    if not valid or crc != zlib.crc32(raw[_BODY]) or not key_len:
+        return None
+    parent_key = (group_id, parent[:parent_len]) if parent_len else None
+    return IndexedBlock(host_id, (group_id, key[:key_len]), parent_key, stamp)
+
+
+class BlockIndex:
+    """The index file of the tier at `path`, for `num_blocks` host blocks."""
+
+    def __init__(
+        self, path: str, fingerprint: dict[str, Any], num_blocks: int, workers: Sequence[str]
+    ) -> None:
+        self.path = path
+        self.fingerprint = fingerprint
+        self.num_blocks = num_blocks
+        self.workers = list(workers)
+        self.rebuilt_because: str | None = None
+        self.torn_records = 0
+        self._stamp = 0
+        self._fd: int | None = None
+        self._map: mmap.mmap | None = None
+        self._meta: dict[str, Any] = {}
+
+    @property
+    def index_path(self) -> Path:
+        return Path(self.path) / "index.bin"
+
+    @property
+    def meta_path(self) -> Path:
+        return Path(self.path) / "tier.json"
+
+    def open(self) -> list[IndexedBlock]:
+        """Locks and validates the index; returns the blocks it holds, oldest first, or
+        nothing when it had to be rebuilt (`rebuilt_because` says why)."""
+        fd = tier_dir.open_private(self.index_path)
+        self._fd = fd
+        tier_dir.lock(fd, self.path)
+        size = self.num_blocks * RECORD_BYTES
+        incarnations = {w: read_incarnation(self.path, w) for w in self.workers}
+        old = tier_dir.read_json(self.meta_path)
+        why = self._why_rebuild(old, incarnations, os.fstat(fd).st_size, size)
+        self._meta = {
+            "format": tier_dir.FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "workers": incarnations,
+        }
+        if why is not None:
+            self.rebuilt_because = why
+            # Cleared before the new metadata names the workers' files: a crash in between
+            # leaves a tier that the next open rebuilds again, never stale records.
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, size)
+        self._write_meta("open")
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        if why is not None:
+            return []
+        return self._scan()
+
+    def _why_rebuild(
+        self,
+        old: dict[str, Any] | None,
+        incarnations: dict[str, str | None],
+        file_size: int,
+        size: int,
+    ) -> str | None:
+        if old is None:
+            return "new" if file_size == 0 else "its metadata is missing or unreadable"
+        if old.get("format") != tier_dir.FORMAT_VERSION:
+            return f"it has format {old.get('format')!r}"
+        if old.get("fingerprint") != self.fingerprint:
+            old_fp = old.get("fingerprint")
+            changed = differences(old_fp, self.fingerprint) if isinstance(old_fp, dict) else ""
+            return f"it was written by a different configuration ({changed})"
+        if file_size != size:
+            return f"its index is truncated ({file_size} of {size} bytes)"
+        missing = [w for w, inc in incarnations.items() if inc is None]
+        if missing:
+            return f"the KV data of worker {missing[0]} is missing"
+        if old.get("workers") != incarnations:
+            return "a worker's KV data file was rebuilt"
+        if tier_dir.needs_rebuild_after_reboot(old):
+            return "it was not closed before the machine restarted"
+        return None
+
+    def _scan(self) -> list[IndexedBlock]:
+        assert self._map is not None
+        view = memoryview(self._map)
+        blocks: dict[tuple[int, bytes], IndexedBlock] = {}
+        for host_id in range(self.num_blocks):
+            raw = view[host_id * RECORD_BYTES : (host_id + 1) * RECORD_BYTES]
+            if not raw[4]:  # not valid: a cleared or never written record
+                continue
+            block = _decode(host_id, bytes(raw))
+            if block is None:
+                self.torn_records += 1
+                self.clear(host_id)
+                continue
+            kept = blocks.get(block.key)
+            if kept is not None:  # one key twice: keep the newer copy
+                older = min(kept, block, key=lambda b: b.stamp)
+                self.clear(older.host_id)
+                block = max(kept, block, key=lambda b: b.stamp)
+            blocks[block.key] = block
+        view.release()
+        ordered = sorted(blocks.values(), key=lambda b: b.stamp)
+        self._stamp = ordered[-1].stamp + 1 if ordered else 0
+        return ordered
+
+    def record(self, entries: Sequence[tuple[int, Any, Any]]) -> None:
+        """Records (host id, key, parent key) of blocks whose bytes are complete, in chain
+        order (a parent before its children). O(1) per block."""
+        mapping = self._map
+        assert mapping is not None, "open() first"
+        for host_id, key, parent in entries:
+            packed = _encode(self._stamp, key, parent)
+            self._stamp += 1
+            if packed is None:  # a key this format cannot hold stays in memory only
+                continue
+            offset = host_id * RECORD_BYTES
+            mapping[offset : offset + len(packed)] = packed
+
+    def clear(self, host_id: int) -> None:
+        """Forgets a host block before it can be reused. O(1)."""
+        mapping = self._map
+        assert mapping is not None, "open() first"
+        offset = host_id * RECORD_BYTES
+        mapping[offset : offset + len(_CLEARED)] = _CLEARED
+
+    def _write_meta(self, state: str) -> None:
+        meta = {**self._meta, "state": state, "boot_id": tier_dir.boot_id()}
+        tier_dir.write_json(self.meta_path, meta)
+
+    def close(self) -> None:
+        """Flushes the index, marks the tier closed and releases the lock."""
+        if self._fd is None:
+            return
+        if self._map is not None:
+            self._map.flush()
+            self._write_meta("closed")
+        os.close(self._fd)
+        self._fd = None
