@@ -14,9 +14,11 @@ Both calls are O(1) per block: one `struct.pack_into` into the mapping.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
+import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,6 +86,8 @@ class BlockIndex:
         self.torn_records = 0
         self._stamp = 0
         self._fd: int | None = None
+        # Closes the file (and so drops its lock) when the object goes without close().
+        self._closer: weakref.finalize | None = None
         self._map: mmap.mmap | None = None
         self._meta: dict[str, Any] = {}
 
@@ -100,6 +104,7 @@ class BlockIndex:
         nothing when it had to be rebuilt (`rebuilt_because` says why)."""
         fd = tier_dir.open_private(self.index_path)
         self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
         tier_dir.lock(fd, self.path)
         size = self.num_blocks * RECORD_BYTES
         incarnations = {w: read_incarnation(self.path, w) for w in self.workers}
@@ -203,5 +208,8 @@ class BlockIndex:
         if self._map is not None:
             self._map.flush()
             self._write_meta("closed")
-        os.close(self._fd)
+        assert self._closer is not None
+        # The mapping holds a duplicate of the descriptor, and with it the lock: unlock.
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._closer()  # releases the flock
         self._fd = None

@@ -14,9 +14,11 @@ This module imports torch and the standard library only.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,8 @@ def read_incarnation(path: str, worker: str) -> str | None:
 
 
 class TierDataFile:
-    """The mapped file of one worker; held locked from `map` to `close`."""
+    """The mapped file of one worker; locked from `map` until `close`, or until both this
+    object and the mapping are gone."""
 
     def __init__(self, path: str, worker: str, fingerprint: dict[str, Any]) -> None:
         self.path = path
@@ -54,6 +57,8 @@ class TierDataFile:
         self.incarnation: str | None = None
         self.rebuilt_because: str | None = None
         self._fd: int | None = None
+        # Closes the file (and so drops its lock) when the object goes without close().
+        self._closer: weakref.finalize | None = None
         self._map: mmap.mmap | None = None
         self._meta: dict[str, Any] = {}
 
@@ -63,6 +68,7 @@ class TierDataFile:
         fingerprint = {**self.fingerprint, "worker": self.worker, "layouts": layouts}
         fd = tier_dir.open_private(data_path(self.path, self.worker))
         self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
         tier_dir.lock(fd, self.path)
         old = tier_dir.read_json(meta_path(self.path, self.worker))
         why = self._why_rebuild(old, fingerprint, num_slots, slot_bytes, os.fstat(fd).st_size)
@@ -132,5 +138,8 @@ class TierDataFile:
         if self._map is not None:
             self._map.flush()
             self._write_meta("closed")
-        os.close(self._fd)  # releases the flock; the mapping stays valid
+        assert self._closer is not None
+        # The mapping holds a duplicate of the descriptor, and with it the lock: unlock.
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._closer()  # releases the flock; the mapping stays valid
         self._fd = None
