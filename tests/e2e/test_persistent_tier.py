@@ -2,10 +2,11 @@
 
 Real `vllm serve` processes (the API server module) on loopback, one after another on one
 tier directory, bf16, one request at a time. The first server reads documents; after a
-SIGTERM (with a grace period: the tier is closed in order), a second server's first reads of them are host hits with the same answers, and
-`cache_salt` still keeps tenants apart. It is killed (SIGKILL) while it stores new
-documents; a third server starts, answers the documents exactly from the host tier and
-counts no failed transfer. An engine of another configuration then starts empty.
+SIGTERM (with a grace period, so the tier is closed in order), a second server's first
+reads of them are host hits with the same answers, and `cache_salt` still keeps tenants
+apart. It is killed (SIGKILL) while it stores new documents; a third server starts,
+answers the documents exactly from the host tier and counts no failed transfer. An engine
+of another configuration then starts empty.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,8 @@ def test_cli_parser_has_both_flags_and_builds_engine_args() -> None:
         ({"enable_cpu_offload": True, "swap_space": "nan"}, "positive number of GiB"),
         ({"enable_cpu_offload": True, "swap_space": "1000000"}, "lower --swap-space"),
         ({"swap_space": "2"}, "needs --enable-cpu-offload"),
+        ({"swap_space_path": "/tmp/tier"}, "--swap-space-path keeps the host KV tier in files"),
+        ({"enable_cpu_offload": True, "swap_space_path": ""}, "must be a directory path"),
         ({"enable_cpu_offload": True, "kv_offloading_size": 4.0}, "--kv-offloading-size"),
         (
             {
@@ -115,6 +118,28 @@ def test_bad_input_is_one_line_error(kwargs: dict[str, object], message: str) ->
     text = str(info.value)
     assert message in text
     assert "\n" not in text
+
+
+def test_swap_space_path_from_the_command_line(tmp_path: Path) -> None:
+    # --swap-space-path DIR: parsed, carried to the config; the directory is created private.
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    tier = tmp_path / "tier"
+    ns = parser.parse_args(
+        ["--model", "m", "--enable-cpu-offload", "--swap-space", "0.01",
+         "--swap-space-path", str(tier)]
+    )  # fmt: skip
+    config = flags.resolve_offload(AsyncEngineArgs.from_cli_args(ns))
+    assert config is not None and config.swap_space_path == str(tier)
+    assert config.to_extra_config()["swap_space_path"] == str(tier)
+    assert stat.S_IMODE(tier.stat().st_mode) == 0o700
+
+
+def test_a_directory_others_can_write_is_refused_before_start(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(OffloadConfigError, match="writable by other users"):
+        flags.resolve_offload(_args(enable_cpu_offload=True, swap_space_path=str(shared)))
 
 
 def test_advanced_route_validates_and_keeps_extra_config() -> None:
