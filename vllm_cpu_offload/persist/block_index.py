@@ -14,11 +14,9 @@ Both calls are O(1) per block: one `struct.pack_into` into the mapping.
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import struct
-import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from typing import Any
 from vllm_cpu_offload.persist import directory as tier_dir
 from vllm_cpu_offload.persist.data_file import read_incarnation
 from vllm_cpu_offload.persist.fingerprint import differences
+from vllm_cpu_offload.persist.tier_file import TierFile
 
 # crc32 of the rest | valid | group id | key length | parent key length | stamp | key | parent
 _RECORD = struct.Struct("<IBHBBQ32s32s")
@@ -85,32 +84,18 @@ class BlockIndex:
         self.rebuilt_because: str | None = None
         self.torn_records = 0
         self._stamp = 0
-        self._fd: int | None = None
-        # Closes the file (and so drops its lock) when the object goes without close().
-        self._closer: weakref.finalize | None = None
+        self._file = TierFile(path, Path(path) / "index.bin", Path(path) / "tier.json")
         self._map: mmap.mmap | None = None
-        self._meta: dict[str, Any] = {}
-
-    @property
-    def index_path(self) -> Path:
-        return Path(self.path) / "index.bin"
-
-    @property
-    def meta_path(self) -> Path:
-        return Path(self.path) / "tier.json"
 
     def open(self) -> list[IndexedBlock]:
         """Locks and validates the index; returns the blocks it holds, oldest first, or
         nothing when it had to be rebuilt (`rebuilt_because` says why)."""
-        fd = tier_dir.open_private(self.index_path)
-        self._fd = fd
-        self._closer = weakref.finalize(self, os.close, fd)
-        tier_dir.lock(fd, self.path)
+        fd = self._file.open_locked()
         size = self.num_blocks * RECORD_BYTES
         incarnations = {w: read_incarnation(self.path, w) for w in self.workers}
-        old = tier_dir.read_json(self.meta_path)
+        old = self._file.read_meta()
         why = self._why_rebuild(old, incarnations, os.fstat(fd).st_size, size)
-        self._meta = {
+        self._file.meta = {
             "format": tier_dir.FORMAT_VERSION,
             "fingerprint": self.fingerprint,
             "workers": incarnations,
@@ -121,8 +106,8 @@ class BlockIndex:
             # leaves a tier that the next open rebuilds again, never stale records.
             os.ftruncate(fd, 0)
             os.ftruncate(fd, size)
-        self._write_meta("open")
-        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        self._file.write_meta("open")
+        self._map = self._file.map(size)
         if why is not None:
             return []
         return self._scan()
@@ -197,19 +182,6 @@ class BlockIndex:
         offset = host_id * RECORD_BYTES
         mapping[offset : offset + len(_CLEARED)] = _CLEARED
 
-    def _write_meta(self, state: str) -> None:
-        meta = {**self._meta, "state": state, "boot_id": tier_dir.boot_id()}
-        tier_dir.write_json(self.meta_path, meta)
-
     def close(self) -> None:
         """Flushes the index, marks the tier closed and releases the lock."""
-        if self._fd is None:
-            return
-        if self._map is not None:
-            self._map.flush()
-            self._write_meta("closed")
-        assert self._closer is not None
-        # The mapping holds a duplicate of the descriptor, and with it the lock: unlock.
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._closer()  # releases the flock
-        self._fd = None
+        self._file.close()

@@ -14,11 +14,9 @@ This module imports torch and the standard library only.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import secrets
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 
 from vllm_cpu_offload.config import GIB, OffloadConfigError
 from vllm_cpu_offload.persist import directory as tier_dir
+from vllm_cpu_offload.persist.tier_file import TierFile
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14+: backs every page of a new file at start.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -56,21 +55,14 @@ class TierDataFile:
         self.fingerprint = fingerprint
         self.incarnation: str | None = None
         self.rebuilt_because: str | None = None
-        self._fd: int | None = None
-        # Closes the file (and so drops its lock) when the object goes without close().
-        self._closer: weakref.finalize | None = None
-        self._map: mmap.mmap | None = None
-        self._meta: dict[str, Any] = {}
+        self._file = TierFile(path, data_path(path, worker), meta_path(path, worker))
 
     def map(self, num_slots: int, slot_bytes: int, layouts: dict[str, Any]) -> torch.Tensor:
         """The uint8 `[num_slots, slot_bytes]` tensor over the file, kept or rebuilt."""
         size = num_slots * slot_bytes
         fingerprint = {**self.fingerprint, "worker": self.worker, "layouts": layouts}
-        fd = tier_dir.open_private(data_path(self.path, self.worker))
-        self._fd = fd
-        self._closer = weakref.finalize(self, os.close, fd)
-        tier_dir.lock(fd, self.path)
-        old = tier_dir.read_json(meta_path(self.path, self.worker))
+        fd = self._file.open_locked()
+        old = self._file.read_meta()
         why = self._why_rebuild(old, fingerprint, num_slots, slot_bytes, os.fstat(fd).st_size)
         if why is None:
             assert old is not None
@@ -88,20 +80,20 @@ class TierDataFile:
                     f"KV for worker {self.worker} ({e.strerror}); lower --swap-space or free "
                     "space there"
                 ) from None
-        self._meta = {
+        self._file.meta = {
             "format": tier_dir.FORMAT_VERSION,
             "fingerprint": fingerprint,
             "num_slots": num_slots,
             "slot_bytes": slot_bytes,
             "incarnation": self.incarnation,
         }
-        self._write_meta("open")
-        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        self._file.write_meta("open")
+        mapping = self._file.map(size)
         if why is not None:
             # An older kernel refuses: pages are then backed on first use instead.
             with contextlib.suppress(OSError, ValueError):
-                self._map.madvise(_MADV_POPULATE_WRITE)
-        return torch.frombuffer(self._map, dtype=torch.uint8).view(num_slots, slot_bytes)
+                mapping.madvise(_MADV_POPULATE_WRITE)
+        return torch.frombuffer(mapping, dtype=torch.uint8).view(num_slots, slot_bytes)
 
     @staticmethod
     def _why_rebuild(
@@ -127,19 +119,6 @@ class TierDataFile:
             return "its metadata is incomplete"
         return None
 
-    def _write_meta(self, state: str) -> None:
-        meta = {**self._meta, "state": state, "boot_id": tier_dir.boot_id()}
-        tier_dir.write_json(meta_path(self.path, self.worker), meta)
-
     def close(self) -> None:
         """Flushes the blocks to the file, marks it closed and releases the lock."""
-        if self._fd is None:
-            return
-        if self._map is not None:
-            self._map.flush()
-            self._write_meta("closed")
-        assert self._closer is not None
-        # The mapping holds a duplicate of the descriptor, and with it the lock: unlock.
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._closer()  # releases the flock; the mapping stays valid
-        self._fd = None
+        self._file.close()
