@@ -2,7 +2,8 @@
 # Fetches a vLLM source distribution (its tests/ and benchmarks/) from PyPI, checks its sha256
 # and unpacks it to $VLLM_CPU_OFFLOAD_CACHE/vllm-VERSION (default ~/.cache/vllm_cpu_offload).
 # VERSION is the first argument (default 0.32.0); 0.32.0 and 0.33.0 are known. Reused when
-# present. Prints the folder.
+# present. Prints the folder. With VLLM_SDIST_FULL=1 it unpacks the whole tree instead, to
+# vllm-VERSION-full (what upstream/*.patch applies to).
 set -euo pipefail
 VERSION="${1:-0.32.0}"
 case "$VERSION" in
@@ -19,6 +20,8 @@ esac
 URL="https://files.pythonhosted.org/packages/$URL_DIR/vllm-${VERSION}.tar.gz"
 CACHE="${VLLM_CPU_OFFLOAD_CACHE:-$HOME/.cache/vllm_cpu_offload}"
 DEST="$CACHE/vllm-$VERSION"
+MEMBERS=("vllm-$VERSION/tests" "vllm-$VERSION/benchmarks")
+if [ "${VLLM_SDIST_FULL:-0}" = 1 ]; then DEST="$CACHE/vllm-$VERSION-full"; MEMBERS=(); fi
 if [ -f "$DEST/.complete" ]; then echo "$DEST"; exit 0; fi
 mkdir -p "$CACHE"
 TARBALL="$CACHE/vllm-$VERSION.tar.gz"
@@ -26,7 +29,12 @@ curl -sSfL --retry 3 -m 300 -o "$TARBALL.part" "$URL"
 echo "$SHA256  $TARBALL.part" | sha256sum -c --quiet
 mv "$TARBALL.part" "$TARBALL"
 rm -rf "$DEST"
-tar -xzf "$TARBALL" -C "$CACHE" "vllm-$VERSION/tests" "vllm-$VERSION/benchmarks"
+if [ "${#MEMBERS[@]}" -eq 0 ]; then
+  mkdir -p "$DEST"
+  tar -xzf "$TARBALL" -C "$DEST" --strip-components=1
+else
+  tar -xzf "$TARBALL" -C "$CACHE" "${MEMBERS[@]}"
+fi
 rm -f "$TARBALL"
 touch "$DEST/.complete"
 echo "$DEST"

@@ -1,0 +1,654 @@
+"""Writes upstream/*.patch, the package as a `git format-patch` series against vLLM 0.32.0.
+
+    python scripts/make_upstream_series.py            # rewrite upstream/*.patch and README.md
+    python scripts/make_upstream_series.py --check    # regenerate into a temp dir, compare
+    python scripts/make_upstream_series.py --tree DIR # also leave the patched vLLM tree in DIR
+
+The series is built, not written: the vLLM 0.32.0 source distribution
+(scripts/fetch_vllm_sdist.sh, checked by sha256) is committed as the base of a scratch git
+repository, each patch below changes that tree and is committed, and `git format-patch`
+writes the commits out. Everything a patch carries comes from this repository:
+
+- every module of `vllm_cpu_offload/` but the plugin-only ones (`PLUGIN_ONLY`) becomes
+  `vllm/distributed/kv_transfer/kv_connector/v1/cpu_offload/`, imports rewritten; a module
+  added to the package is picked up by the next run;
+- the engine flags are the keyword arguments and parser flags `flags.py` defines (its
+  `_wrap_init` and `_add_flags`): they become EngineArgs fields and `add_cli_args` flags,
+  and flags.py's resolution (`resolve_offload`, `check_engine`, ...) becomes the in-tree
+  `cpu_offload/flags.py` minus its patch machinery (`FLAGS_PATCH_ONLY`);
+- the unit, kernel and vLLM-scheduler tests are copied from `tests/`; `upstream/templates/`
+  holds what has no counterpart in the package (the in-tree engine tests, the docs page,
+  the cover letter).
+
+Dates, author and commit ids are fixed, and the Python files are formatted with a pinned
+ruff under vLLM's own configuration, so the same package gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import filecmp
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "vllm_cpu_offload"
+UPSTREAM = REPO / "upstream"
+TEMPLATES = UPSTREAM / "templates"
+VLLM_VERSION = "0.32.0"
+RUFF_VERSION = "0.17.6"  # pinned: the formatting of the series must not follow ruff releases
+
+IN_TREE = "vllm/distributed/kv_transfer/kv_connector/v1/cpu_offload"
+IN_TREE_MOD = IN_TREE.replace("/", ".")
+TESTS = "tests/v1/kv_connector/cpu_offload"
+TESTS_MOD = TESTS.replace("/", ".")
+CONNECTOR = "CPUOffloadConnector"
+
+# scripts/test_upstream.sh on the 2-core CI machine, measured (upstream/README.md).
+STAGE_TIME = "6 minutes"
+
+AUTHOR_NAME = "vllm-cpu-offload"
+AUTHOR_EMAIL = "vllm-cpu-offload@users.noreply.github.com"
+DATE = "2026-11-24T12:00:00+0000"
+
+# Package modules that only exist to patch vLLM from outside: in tree they are real code in
+# vLLM's own files (EngineArgs, KVConnectorFactory, the CPU executor) or not needed at all.
+PLUGIN_ONLY = {"__init__.py", "plugin.py", "flags.py", "omp_cores.py", "testing"}
+# Top-level names of flags.py that patch EngineArgs at runtime; the rest is the resolution
+# of the flags, which the in-tree EngineArgs calls.
+FLAGS_PATCH_ONLY = {
+    "SUPPORTED_VLLM_VERSIONS",
+    "PATCH_NAME",
+    "_PATCHED_MARK",
+    "_from_cli",
+    "unsupported_vllm",
+    "check_vllm_version",
+    "applied",
+    "apply",
+    "_wrap_init",
+}
+FLAGS_RENAMES = {"_add_flags": "add_cli_args", "_kv_transfer_config_for": "kv_transfer_config_for"}
+# Tests of the plugin machinery, which the tree does not have.
+PLUGIN_ONLY_TESTS = {
+    "test_flags.py",
+    "test_import_hook.py",
+    "test_omp_cores.py",
+    "test_vllm_suite_plugin.py",
+}
+
+# Applied in order to every file taken from this repository.
+REWRITES: tuple[tuple[str, str], ...] = (
+    ("vllm_cpu_offload.testing.tiny_model", f"{TESTS_MOD}.tiny_model"),
+    ("vllm_cpu_offload.eviction_policies", "vllm.cpu_offload.eviction_policies"),
+    ("tests.external_policy", f"{TESTS_MOD}.external_policy"),
+    ("tests.kernels.conftest", f"{TESTS_MOD}.kernels.conftest"),
+    ("from vllm_cpu_offload import", f"from {IN_TREE_MOD} import"),
+    ("vllm_cpu_offload.", f"{IN_TREE_MOD}."),
+    ("vllm-cpu-offload", CONNECTOR),
+)
+SPDX = (
+    "# SPDX-License-Identifier: Apache-2.0\n"
+    "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n"
+)
+LEFTOVER = re.compile(r"\bvllm_cpu_offload(\.|\s+import)")
+
+
+def rewrite(text: str) -> str:
+    for old, new in REWRITES:
+        text = text.replace(old, new)
+    match = LEFTOVER.search(text)
+    assert match is None, f"a reference to the package is left: {match.group(0)!r}"
+    return text
+
+
+def replace_once(path: Path, old: str, new: str) -> None:
+    """Replaces the one occurrence of `old` in `path`; vLLM's file must still have it."""
+    text = path.read_text()
+    count = text.count(old)
+    assert count == 1, f"{path}: expected one anchor, found {count}: {old[:60]!r}"
+    path.write_text(text.replace(old, new))
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def copy_rewritten(src: Path, dst: Path) -> None:
+    write(dst, rewrite(src.read_text()))
+
+
+# ---------------------------------------------------------------------------- flags.py
+
+
+@dataclass(frozen=True)
+class EngineField:
+    name: str
+    annotation: str
+    default: str
+
+
+def flags_source() -> tuple[ast.Module, str]:
+    text = (PACKAGE / "flags.py").read_text()
+    return ast.parse(text), text
+
+
+def engine_fields() -> list[EngineField]:
+    """The keyword arguments flags.py adds to EngineArgs (its `_wrap_init`), in order."""
+    tree, _ = flags_source()
+    wrap = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_wrap_init")
+    init = next(n for n in wrap.body if isinstance(n, ast.FunctionDef))
+    args = init.args
+    fields = []
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+        assert arg.annotation is not None and default is not None, arg.arg
+        fields.append(EngineField(arg.arg, ast.unparse(arg.annotation), ast.unparse(default)))
+    assert [f.name for f in fields][:2] == ["enable_cpu_offload", "swap_space"], fields
+    return fields
+
+
+def in_tree_flags() -> str:
+    """flags.py without its patch machinery: the resolution EngineArgs calls in tree."""
+    tree, text = flags_source()
+    lines = text.splitlines(keepends=True)
+    keep: list[str] = []
+    names = set()
+    cursor = 0
+    body = tree.body[1:]  # the module docstring is replaced below
+    start_of_body = body[0].lineno - 1
+    for node in body:
+        decorators: list[ast.expr] = getattr(node, "decorator_list", [])
+        start = (decorators[0].lineno if decorators else node.lineno) - 1
+        # comments right above a statement belong to it
+        while start > cursor and lines[start - 1].lstrip().startswith("#"):
+            start -= 1
+        end = node.end_lineno or node.lineno
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            name = node.name
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            name = target.id if isinstance(target, ast.Name) else ""
+        else:
+            name = ""
+        names.add(name)
+        if name not in FLAGS_PATCH_ONLY:
+            keep.append("".join(lines[max(start, start_of_body) : end]))
+        cursor = end
+    missing = (FLAGS_PATCH_ONLY | set(FLAGS_RENAMES)) - names
+    assert not missing, f"flags.py no longer defines {sorted(missing)}: update this script"
+    source = "\n\n".join(part.strip("\n") + "\n" for part in keep)
+    for old, new in FLAGS_RENAMES.items():
+        source = re.sub(rf"\b{old}\b", new, source)
+    docstring = (TEMPLATES / "flags_docstring.txt").read_text()
+    return rewrite(f'"""{docstring.strip()}\n"""\n\n{source}')
+
+
+# --------------------------------------------------------------------------- patches
+
+
+def stage_connector(tree: Path) -> None:
+    dst_root = tree / IN_TREE
+    for src in sorted(PACKAGE.rglob("*")):
+        rel = src.relative_to(PACKAGE)
+        if rel.parts[0] in PLUGIN_ONLY or "__pycache__" in rel.parts or src.is_dir():
+            continue
+        if src.suffix in (".pyc",):
+            continue
+        copy_rewritten(src, dst_root / rel)
+    shutil.copy(TEMPLATES / IN_TREE / "__init__.py", dst_root / "__init__.py")
+    replace_once(
+        tree / "vllm/distributed/kv_transfer/kv_connector/factory.py",
+        '    "SimpleCPUOffloadConnector",\n)\n',
+        f'    "SimpleCPUOffloadConnector",\n)\n'
+        f"KVConnectorFactory.register_connector(\n"
+        f'    "{CONNECTOR}",\n    "{IN_TREE_MOD}.connector",\n    "{CONNECTOR}",\n)\n',
+    )
+
+
+def stage_engine_args(tree: Path) -> None:
+    write(tree / IN_TREE / "flags.py", in_tree_flags())
+    arg_utils = tree / "vllm/engine/arg_utils.py"
+    anchor = "    kv_offloading_backend: KVOffloadingBackend = CacheConfig.kv_offloading_backend\n"
+    fields = "".join(f"    {f.name}: {f.annotation} = {f.default}\n" for f in engine_fields())
+    replace_once(
+        arg_utils,
+        anchor,
+        anchor + "    # Host-memory KV tier (CPUOffloadConnector); see its flags.py.\n" + fields,
+    )
+    anchor = (
+        "        cache_group.add_argument(\n"
+        '            "--kv-offloading-backend", **cache_kwargs["kv_offloading_backend"]\n'
+        "        )\n"
+    )
+    replace_once(
+        arg_utils,
+        anchor,
+        anchor + "\n        from "
+        f"{IN_TREE_MOD}.flags import (\n"
+        "            add_cli_args as add_cpu_offload_args,\n        )\n\n"
+        "        add_cpu_offload_args(parser)\n",
+    )
+    replace_once(
+        arg_utils,
+        "            **{attr: getattr(args, attr) for attr in attrs if hasattr(args, attr)}\n"
+        "        )\n        return engine_args\n",
+        "            **{attr: getattr(args, attr) for attr in attrs if hasattr(args, attr)}\n"
+        "        )\n"
+        f"        from {IN_TREE_MOD}.config import OffloadConfigError\n"
+        f"        from {IN_TREE_MOD}.flags import resolve_offload\n\n"
+        "        # Bad host-tier flags end the process with one line, as argparse's\n"
+        "        # errors do, before anything starts.\n"
+        "        try:\n            resolve_offload(engine_args)\n"
+        "        except OffloadConfigError as e:\n"
+        '            print(f"error: {e}", file=sys.stderr)\n'
+        "            raise SystemExit(2) from None\n"
+        "        return engine_args\n",
+    )
+    anchor = '        NOTE: If VllmConfig is incompatible, we raise an error.\n        """\n'
+    replace_once(
+        arg_utils,
+        anchor,
+        anchor + f"        from {IN_TREE_MOD}.flags import (\n"
+        "            check_engine,\n            kv_transfer_config_for,\n"
+        "            resolve_offload,\n        )\n\n"
+        "        # --enable-cpu-offload resolves to the CPUOffloadConnector here, so every\n"
+        "        # process gets it through kv_transfer_config.\n"
+        "        cpu_offload = resolve_offload(self)\n"
+        "        if cpu_offload is not None:\n"
+        "            self.kv_transfer_config = kv_transfer_config_for(\n"
+        "                cpu_offload, self.kv_transfer_config\n            )\n",
+    )
+    replace_once(
+        arg_utils,
+        "        return config\n\n    def _check_feature_supported(self):\n",
+        "        if cpu_offload is not None:\n            check_engine(config, cpu_offload)\n"
+        "        return config\n\n    def _check_feature_supported(self):\n",
+    )
+
+
+def stage_omp_cores(tree: Path) -> None:
+    replace_once(
+        tree / "vllm/utils/ompmultiprocessing.py",
+        "        # reserve at one more core for nixl_connector under p/d case\n"
+        "        if config.kv_transfer_config:\n",
+        "        # reserve at one more core for nixl_connector under p/d case. The\n"
+        f"        # {CONNECTOR} copies on the worker's own thread between forward\n"
+        "        # passes and needs none: with it the model keeps the OpenMP threads\n"
+        "        # (and so the bf16 outputs) it has without a connector.\n"
+        "        kv_transfer_config = config.kv_transfer_config\n"
+        "        if (\n            kv_transfer_config\n"
+        f'            and kv_transfer_config.kv_connector != "{CONNECTOR}"\n'
+        "        ):\n",
+    )
+
+
+def _drop_function(text: str, name: str) -> str:
+    """`text` without the top-level function `name` (and its decorators)."""
+    tree = ast.parse(text)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    lines = text.splitlines(keepends=True)
+    start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+    end = node.end_lineno or node.lineno
+    return "".join(lines[:start]) + "".join(lines[end:]).lstrip("\n")
+
+
+def stage_tests(tree: Path) -> None:
+    dst = tree / TESTS
+    for src in sorted((REPO / "tests/unit").glob("*.py")):
+        if src.name not in PLUGIN_ONLY_TESTS:
+            copy_rewritten(src, dst / src.name)
+    for src in sorted((REPO / "tests/kernels").glob("*.py")):
+        copy_rewritten(src, dst / "kernels" / src.name)
+    for src in sorted((REPO / "tests/external_policy").glob("*.py")):
+        copy_rewritten(src, dst / "external_policy" / src.name)
+    scheduler_test = REPO / "tests/vllm_helpers/test_vllm_scheduler_with_our_connector.py"
+    # In tree vLLM's connector test helpers are a plain import (conftest.py: vllm_utils).
+    text = _drop_function(scheduler_test.read_text(), "vllm_utils")
+    write(dst / "test_vllm_scheduler.py", rewrite(text))
+    copy_rewritten(PACKAGE / "testing/tiny_model.py", dst / "tiny_model.py")
+    for src in sorted((TEMPLATES / TESTS).rglob("*.py")):
+        write(dst / src.relative_to(TEMPLATES / TESTS), src.read_text())
+    for folder in (dst, dst / "kernels", dst / "external_policy"):
+        (folder / "__init__.py").touch()
+
+
+def stage_docs(tree: Path) -> None:
+    usage = (TEMPLATES / "docs/features/cpu_offload_connector.md").read_text()
+    design = (REPO / "docs/design.md").read_text()
+    # The package's design notes from "One engine step" on; links to its other docs dropped.
+    start = design.index("## One engine step")
+    design = re.sub(r"\[([^\]]+)\]\((?!https?:)[^)]*\)", r"\1", design[start:])
+    design = re.sub(r"^## ", "### ", design, flags=re.M)
+    write(
+        tree / "docs/features/cpu_offload_connector.md",
+        usage.rstrip("\n") + "\n\n## Design\n\n" + rewrite(design),
+    )
+
+
+def stage_benchmark(tree: Path) -> None:
+    copy_rewritten(
+        REPO / "benchmarks/pool_microbench.py",
+        tree / "benchmarks/kv_offload/benchmark_cpu_offload_pool.py",
+    )
+
+
+@dataclass(frozen=True)
+class Patch:
+    stage: Callable[[Path], None]
+    title: str
+    body: str
+
+
+PATCHES = (
+    Patch(
+        stage_connector,
+        f"[KV Connector] Add {CONNECTOR}: a host-memory tier for the prefix cache",
+        """\
+Long-document QA, multi-turn chat and agent loops re-read the same prefixes. When their
+KV no longer fits in device memory, vLLM recomputes it. This connector keeps every full
+KV block it sees in a fixed pool of host memory, keyed by vLLM's own block hashes, and when
+a later request shares a prefix whose blocks left the device it loads them back, layer by
+layer inside the same step, instead of recomputing them.
+
+It is a KVConnectorBase_V1 that only forwards: the scheduler role to a host block pool
+with pluggable eviction (prefix_aware by default, lru), the worker role to a transfer
+engine (Triton kernels or the copy engines on CUDA, tensor views on CPU). It supports the
+hybrid KV cache manager (SupportsHMA), reports failed loads as invalid blocks so that they
+are recomputed, and publishes Prometheus metrics and KV events (medium CPU).
+
+Registered in KVConnectorFactory as CPUOffloadConnector; selected with
+--kv-transfer-config '{"kv_connector": "CPUOffloadConnector", "kv_role": "kv_both"}'
+until the next patch adds the engine flags.
+""",
+    ),
+    Patch(
+        stage_engine_args,
+        "[Core] Add --enable-cpu-offload and --swap-space to turn on the host KV tier",
+        """\
+Turning the host tier on should not take a JSON connector config. --enable-cpu-offload
+turns it on (4 GiB per worker, the size --swap-space had before it was removed) and
+--swap-space GIB sizes it. Both are EngineArgs fields, so LLM(..., enable_cpu_offload=True,
+swap_space=8) works as `vllm serve ... --enable-cpu-offload --swap-space 8` does.
+
+create_engine_config resolves them to a kv_transfer_config naming CPUOffloadConnector
+(with kv_load_failure_policy=recompute: a host block that fails to load is a cache miss,
+not a failed request), so every process receives the tier through the config it already
+gets. The resolved size lives in the connector's kv_connector_extra_config, not in a
+second copy on CacheConfig that could disagree with it.
+
+Bad input is refused before anything starts, with one line that names the fix:
+--swap-space without --enable-cpu-offload (so vLLM without the enable flag behaves exactly
+as before), a size that is not a positive number or exceeds the host memory available,
+another KV connector or --kv-offloading-size at the same time, and models whose state the
+tier cannot hold (Mamba-style layers).
+""",
+    ),
+    Patch(
+        stage_omp_cores,
+        f"[Core] Keep the model's OpenMP cores with {CONNECTOR} on the CPU backend",
+        """\
+The CPU executor reserves one more core per local worker whenever any kv_transfer_config
+is set; it is meant for NIXL's transfer threads. The host tier needs none: its copies run
+on the worker's own thread between forward passes. The reservation would only change the
+model's OpenMP threads: on a large machine it takes a core away from the model, on a small
+one vLLM drops the reservation and the model gets one more thread than without a
+connector. A different thread count changes the order of bf16 reductions, and so greedy
+tokens, before the host tier has served anything.
+
+With this change the flag leaves the model's cores and binding as they are without it;
+VLLM_CPU_NUM_OF_RESERVED_CPU and VLLM_CPU_OMP_THREADS_BIND still decide when set.
+""",
+    ),
+    Patch(
+        stage_tests,
+        f"[CI/Build] Add tests for {CONNECTOR} and the host-tier engine flags",
+        """\
+tests/v1/kv_connector/cpu_offload/ covers the tier from its parts to the engine:
+
+- the host block pool (scenarios, and a hypothesis state machine against a model of it),
+  the eviction policies and their registry, the KV cache groups of hybrid models, the
+  scheduler half's load and store plans, the worker half, the host buffer, the block
+  layouts and copies (byte-exact; the Triton kernel tests run in interpreter mode without
+  a GPU);
+- the connector inside vLLM's own Scheduler, driven by the connector test helpers of
+  tests/v1/kv_connector/unit/utils.py: lifecycle, an evicted prefix back from the host
+  tier, failed loads recomputed through the invalid-block path, preemption, sleep;
+- the engine flags (fields, parser, one-line errors) and LLM(enable_cpu_offload=True,
+  swap_space=...) on a small generated model: re-reads served from host memory with
+  the same greedy outputs as without the flag.
+
+The engine tests use a Llama-style model written locally in seconds (tiny_model.py: a
+config, a word-level tokenizer and random weights), so they need no download.
+""",
+    ),
+    Patch(
+        stage_docs,
+        f"[Doc] Add the {CONNECTOR} usage and design page",
+        """\
+How to turn the host tier on (the two flags, or --kv-transfer-config with its keys), how
+to size it, how it behaves with hybrid models and on the CPU backend, its metrics and
+events, and how one engine step moves blocks between device and host memory.
+""",
+    ),
+    Patch(
+        stage_benchmark,
+        f"[Benchmark] Add a micro-benchmark of the {CONNECTOR} host block pool",
+        """\
+Every scheduler step looks up, pins, stores and evicts host blocks, so each of these must
+be O(1) per block. The benchmark times each operation per block for every built-in
+eviction policy (about 1 us per block here) and writes the figures as JSON. End-to-end
+figures come from benchmarks/benchmark_long_document_qa_throughput.py, which takes the
+new engine flags as it takes any other.
+""",
+    ),
+)
+
+
+# --------------------------------------------------------------------------- git, ruff
+
+
+def git_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_AUTHOR_NAME=AUTHOR_NAME,
+        GIT_AUTHOR_EMAIL=AUTHOR_EMAIL,
+        GIT_COMMITTER_NAME=AUTHOR_NAME,
+        GIT_COMMITTER_EMAIL=AUTHOR_EMAIL,
+        GIT_AUTHOR_DATE=DATE,
+        GIT_COMMITTER_DATE=DATE,
+        TZ="UTC",
+        LC_ALL="C",
+    )
+    return env
+
+
+def git(tree: Path, *args: str) -> str:
+    cmd = ["git", "-c", "core.abbrev=12", "-c", "diff.algorithm=myers", *args]
+    return subprocess.run(
+        cmd, cwd=tree, env=git_env(), check=True, capture_output=True, text=True
+    ).stdout
+
+
+def ruff_command() -> list[str]:
+    """The pinned ruff: this interpreter's when it is that version, else one installed
+    once into .cache/ (PyPI)."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "ruff", "--version"], capture_output=True, text=True
+        ).stdout
+    except OSError:
+        out = ""
+    if out.split()[-1:] == [RUFF_VERSION]:
+        return [sys.executable, "-m", "ruff"]
+    target = REPO / ".cache" / f"ruff-{RUFF_VERSION}"
+    binary = target / "bin" / "ruff"
+    if not binary.exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--target",
+                str(target),
+                f"ruff=={RUFF_VERSION}",
+            ],
+            check=True,
+        )
+    return [str(binary)]
+
+
+def format_python(tree: Path, ruff: list[str]) -> None:
+    """Formats the Python files the patch touched with vLLM's ruff configuration."""
+    changed = git(tree, "status", "--porcelain", "--untracked-files=all").splitlines()
+    files = [line[3:] for line in changed if line.endswith(".py")]
+    files = [f for f in files if (tree / f).exists()]
+    if not files:
+        return
+    # isort under vLLM's settings; unused imports only in the in-tree flags.py, whose
+    # patch machinery (and its imports) was cut out.
+    for name in files:
+        path = tree / name
+        text = path.read_text()
+        if not text.startswith("# SPDX"):
+            path.write_text(SPDX + text)
+    subprocess.run(
+        [*ruff, "check", "-q", "--no-cache", "--fix-only", "--select", "I", *files], cwd=tree
+    )
+    flags = f"{IN_TREE}/flags.py"
+    if flags in files:
+        subprocess.run(
+            [*ruff, "check", "-q", "--no-cache", "--fix-only", "--select", "F401", flags],
+            cwd=tree,
+        )
+    subprocess.run([*ruff, "format", "-q", "--no-cache", *files], cwd=tree, check=True)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def fetch_full_sdist() -> Path:
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts/fetch_vllm_sdist.sh"), VLLM_VERSION],
+        env={**os.environ, "VLLM_SDIST_FULL": "1"},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return Path(out.strip())
+
+
+def base_tree(sdist: Path, tree: Path) -> None:
+    shutil.copytree(sdist, tree, symlinks=True, ignore=shutil.ignore_patterns(".complete"))
+    git(tree, "init", "-q", "-b", "main")
+    git(tree, "add", "-A", "-f")
+    git(tree, "commit", "-q", "--no-verify", "-m", f"vLLM {VLLM_VERSION} (source distribution)")
+    git(tree, "tag", "base")
+
+
+def build(sdist: Path, tree: Path, out: Path) -> list[Path]:
+    """Builds the series on a copy of `sdist` in `tree`; writes it and the cover to `out`."""
+    base_tree(sdist, tree)
+    ruff = ruff_command()
+    for patch in PATCHES:
+        patch.stage(tree)
+        format_python(tree, ruff)
+        git(tree, "add", "-A", "-f")
+        message = f"{patch.title}\n\n{patch.body}"
+        git(tree, "commit", "-q", "--no-verify", "-m", message)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.patch"):
+        old.unlink()
+    git(
+        tree,
+        "format-patch",
+        "-q",
+        "--zero-commit",
+        "--no-signature",
+        "--stat=80",
+        "-o",
+        str(out),
+        "base..HEAD",
+    )
+    patches = sorted(out.glob("*.patch"))
+    write(out / "README.md", cover_letter(tree, patches))
+    return patches
+
+
+def cover_letter(tree: Path, patches: list[Path]) -> str:
+    listing = "\n".join(
+        f"{i}. `{p.name}`: {patch.title}"
+        for i, (p, patch) in enumerate(zip(patches, PATCHES, strict=True), 1)
+    )
+    diffstat = git(tree, "diff", "--stat=100", "--summary", "base..HEAD").rstrip()
+    commits = git(tree, "rev-list", "--reverse", "base..HEAD").split()
+    per_patch = "\n".join(
+        f"{p.name}: " + git(tree, "show", "--shortstat", "--format=", sha).strip()
+        for p, sha in zip(patches, commits, strict=True)
+    )
+    fields = ", ".join(f"`{f.name}: {f.annotation} = {f.default}`" for f in engine_fields())
+    template = Template((TEMPLATES / "README.md.in").read_text())
+    return template.substitute(
+        patches=listing,
+        diffstat=diffstat,
+        per_patch=per_patch,
+        fields=fields,
+        version=VLLM_VERSION,
+        ruff=RUFF_VERSION,
+        stage_time=STAGE_TIME,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check", action="store_true", help="compare with upstream/, write nothing"
+    )
+    parser.add_argument("--sdist", type=Path, help="an unpacked vLLM 0.32.0 sdist (default: fetch)")
+    parser.add_argument("--tree", type=Path, help="build the patched tree here (kept)")
+    args = parser.parse_args()
+    sdist = args.sdist or fetch_full_sdist()
+    with tempfile.TemporaryDirectory(prefix="upstream-") as tmp:
+        tree = args.tree or Path(tmp) / "vllm"
+        if tree.exists():
+            shutil.rmtree(tree)
+        out = Path(tmp) / "series" if args.check else UPSTREAM
+        patches = build(sdist, tree, out)
+        if not args.check:
+            print("\n".join(str(p.relative_to(REPO)) for p in patches))
+            return 0
+        names = sorted(p.name for p in out.iterdir() if p.suffix in (".patch", ".md"))
+        committed = sorted(p.name for p in UPSTREAM.iterdir() if p.suffix in (".patch", ".md"))
+        differ = [
+            n
+            for n in names
+            if n in committed and not filecmp.cmp(out / n, UPSTREAM / n, shallow=False)
+        ]
+        stale = sorted(set(names) ^ set(committed))
+        if differ or stale:
+            print(
+                "upstream/ is out of date with the package "
+                f"(differ: {differ}, missing or extra: {stale}); "
+                "run: python scripts/make_upstream_series.py"
+            )
+            for name in differ[:3]:
+                subprocess.run(["diff", "-u", str(UPSTREAM / name), str(out / name)])
+            return 1
+        print(f"upstream/ is in sync: {len(patches)} patches")
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
