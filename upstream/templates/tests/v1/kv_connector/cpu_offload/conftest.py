@@ -12,6 +12,10 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA device")
+
+
 @pytest.fixture()
 def should_do_global_cleanup_after_test(request) -> bool:
     """No global cleanup after these tests: they hold no process group or device memory
