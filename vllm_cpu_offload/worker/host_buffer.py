@@ -16,8 +16,8 @@ not in the middle of serving. Pinning registers an ordinary allocation with
 every request up to a power of two, so a 40 GiB `--swap-space` would lock 64 GiB.
 With `--swap-space-path` the same layout lives in a shared mapping of a file that outlives
 the process (`data_file=`, persist/data_file.py). The same layout can live in device memory
-(`device=`): a few blocks of staging for copies
-that move whole blocks over PCIe (`staged_copy.py`).
+(`device=`): a few blocks of staging for copies that move whole blocks over PCIe
+(`staged_copy.py`).
 This module imports torch only.
 """
 
