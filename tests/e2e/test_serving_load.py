@@ -193,11 +193,18 @@ def idle(m: dict[str, float]) -> bool:
     )
 
 
+def finished_by_reason(url: str) -> dict[str, float]:
+    """vLLM's count of finished requests per finish reason (stop, length, abort, error, ...)."""
+    counts: dict[str, float] = {}
+    for sample, value in metric_samples(url, "vllm:request_success_total").items():
+        reason = sample.split('finished_reason="', 1)[1].split('"', 1)[0]
+        counts[reason] = counts.get(reason, 0.0) + value
+    return counts
+
+
 def finished_with(url: str, reason: str) -> float:
     """vLLM's count of requests that finished for `reason` (stop, length, error, ...)."""
-    tag = f'finished_reason="{reason}"'
-    samples = metric_samples(url, "vllm:request_success_total")
-    return sum(value for sample, value in samples.items() if tag in sample)
+    return finished_by_reason(url).get(reason, 0.0)
 
 
 def complete(
@@ -259,6 +266,7 @@ def test_concurrent_conversations_answer_as_without_offload(
     assert len(expected.answers) == CONVERSATIONS * TURNS
 
     before = settled_metrics(offload_server.url)
+    finished_before = finished_by_reason(offload_server.url)
     got = run_workload(offload_server, workload)
     print(
         f"\ntp={tp}: workload {expected.seconds:.1f} s without offload, {got.seconds:.1f} s with it"
@@ -289,19 +297,32 @@ def test_concurrent_conversations_answer_as_without_offload(
     assert finished_with(offload_server.url, "error") == 0  # e.g. a KV load that failed
     assert finished_with(offload_server.url, "length") >= CONVERSATIONS * TURNS
 
-    # The server aborted the closed streams (and the abandoned requests it had not finished
-    # before the client gave up) before they reached LONG_TOKENS. vLLM's per-request token
-    # histogram counts finished requests only, so what it lacks was generated for aborted ones.
+    # Every request the client gave up on was either aborted before it reached LONG_TOKENS or
+    # never reached the engine, or ran to its end: on two busy cores vLLM's API server can see
+    # a closed connection only after the engine core has finished the request, and can read an
+    # abandoned request only after the client has gone. Which of these happens is vLLM's own
+    # timing, with or without the plugin (tests/e2e/test_offload_lifecycle.py aborts requests
+    # in the engine deterministically). vLLM's per-request token histogram counts requests
+    # that finished, so what it lacks was generated for aborted ones.
     def delta(name: str) -> float:
         return after[name] - before.get(name, 0.0)
 
+    # vLLM's success counter has a finished_reason="abort" series too: count the others.
+    finished = {
+        reason: count - finished_before.get(reason, 0.0)
+        for reason, count in finished_by_reason(offload_server.url).items()
+    }
     sent = CONVERSATIONS * TURNS + CLOSED_STREAMS + ABANDONED
-    aborted = sent - delta("vllm:request_success_total")
+    ran_to_end = sum(count for reason, count in finished.items() if reason != "abort")
+    aborted = sent - ran_to_end
     aborted_tokens = delta("vllm:generation_tokens_total") - delta(
         "vllm:request_generation_tokens_sum"
     )
-    assert CLOSED_STREAMS <= aborted <= CLOSED_STREAMS + ABANDONED, after
-    assert aborted_tokens < aborted * LONG_TOKENS, after
+    assert 0 <= aborted <= CLOSED_STREAMS + ABANDONED, (finished, after)
+    if aborted:
+        assert aborted_tokens < aborted * LONG_TOKENS, (finished, after)
+    else:
+        assert aborted_tokens == 0, (finished, after)
     # vLLM counted the host hits as its own external prefix-cache hits, and reported them
     # in the usage of the requests.
     external = "vllm:external_prefix_cache_hits_total"
