@@ -1,24 +1,27 @@
-"""Writes upstream/*.patch, the package as a `git format-patch` series against vLLM 0.32.0.
+"""Writes upstream/*.patch, the package as a `git format-patch` series against vLLM
+0.32.0.
 
-    python scripts/make_upstream_series.py            # rewrite upstream/*.patch and README.md
-    python scripts/make_upstream_series.py --check    # regenerate into a temp dir, compare
-    python scripts/make_upstream_series.py --tree DIR # also leave the patched vLLM tree in DIR
+    python scripts/make_upstream_series.py # rewrite upstream/*.patch and README.md
+    python scripts/make_upstream_series.py --check # regenerate into a temp dir, compare
+    python scripts/make_upstream_series.py --tree DIR # also leave the patched vLLM tree
+    in DIR
 
 The series is built, not written: the vLLM 0.32.0 source distribution
-(scripts/fetch_vllm_sdist.sh, checked by sha256) is committed as the base of a scratch git
-repository, each patch below changes that tree and is committed, and `git format-patch`
-writes the commits out. Everything a patch carries comes from this repository:
+(scripts/fetch_vllm_sdist.sh, checked by sha256) is committed as the base of a scratch
+git repository, each patch below changes that tree and is committed, and `git
+format-patch` writes the commits out. Everything a patch carries comes from this
+repository:
 
 - every module of `vllm_cpu_offload/` but the plugin-only ones (`PLUGIN_ONLY`) becomes
-  `vllm/distributed/kv_transfer/kv_connector/v1/cpu_offload/`, imports rewritten; a module
-  added to the package is picked up by the next run;
+  `vllm/distributed/kv_transfer/kv_connector/v1/cpu_offload/`, imports rewritten; a
+  module added to the package is picked up by the next run;
 - the engine flags are the keyword arguments and parser flags `flags.py` defines (its
-  `_wrap_init` and `_add_flags`): they become EngineArgs fields and `add_cli_args` flags,
-  and flags.py's resolution (`resolve_offload`, `check_engine`, ...) becomes the in-tree
-  `cpu_offload/flags.py` minus its patch machinery (`FLAGS_PATCH_ONLY`);
-- the unit, kernel and vLLM-scheduler tests are copied from `tests/`; `upstream/templates/`
-  holds what has no counterpart in the package (the in-tree engine tests, the docs page,
-  the cover letter).
+  `_wrap_init` and `_add_flags`): they become EngineArgs fields and `add_cli_args`
+  flags, and flags.py's resolution (`resolve_offload`, `check_engine`, ...) becomes the
+  in-tree `cpu_offload/flags.py` minus its patch machinery (`FLAGS_PATCH_ONLY`);
+- the unit, kernel and vLLM-scheduler tests are copied from `tests/`;
+  `upstream/templates/` holds what has no counterpart in the package (the in-tree engine
+  tests, the docs page, the cover letter).
 
 Dates, author and commit ids are fixed, and the Python files are formatted with a pinned
 ruff under vLLM's own configuration, so the same package gives the same bytes.
@@ -31,6 +34,7 @@ import ast
 import filecmp
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,7 +49,7 @@ PACKAGE = REPO / "vllm_cpu_offload"
 UPSTREAM = REPO / "upstream"
 TEMPLATES = UPSTREAM / "templates"
 VLLM_VERSION = "0.32.0"
-RUFF_VERSION = "0.17.6"  # pinned: the formatting of the series must not follow ruff releases
+LINE_LENGTH = 88  # vLLM's ruff line length
 
 IN_TREE = "vllm/distributed/kv_transfer/kv_connector/v1/cpu_offload"
 IN_TREE_MOD = IN_TREE.replace("/", ".")
@@ -60,11 +64,12 @@ AUTHOR_NAME = "vllm-cpu-offload"
 AUTHOR_EMAIL = "vllm-cpu-offload@users.noreply.github.com"
 DATE = "2026-11-24T12:00:00+0000"
 
-# Package modules that only exist to patch vLLM from outside: in tree they are real code in
-# vLLM's own files (EngineArgs, KVConnectorFactory, the CPU executor) or not needed at all.
+# Package modules that only exist to patch vLLM from outside: in tree they are real code
+# in vLLM's own files (EngineArgs, KVConnectorFactory, the CPU executor) or not needed
+# at all.
 PLUGIN_ONLY = {"__init__.py", "plugin.py", "flags.py", "omp_cores.py", "testing"}
-# Top-level names of flags.py that patch EngineArgs at runtime; the rest is the resolution
-# of the flags, which the in-tree EngineArgs calls.
+# Top-level names of flags.py that patch EngineArgs at runtime; the rest is the
+# resolution of the flags, which the in-tree EngineArgs calls.
 FLAGS_PATCH_ONLY = {
     "SUPPORTED_VLLM_VERSIONS",
     "PATCH_NAME",
@@ -76,7 +81,10 @@ FLAGS_PATCH_ONLY = {
     "apply",
     "_wrap_init",
 }
-FLAGS_RENAMES = {"_add_flags": "add_cli_args", "_kv_transfer_config_for": "kv_transfer_config_for"}
+FLAGS_RENAMES = {
+    "_add_flags": "add_cli_args",
+    "_kv_transfer_config_for": "kv_transfer_config_for",
+}
 # Tests of the plugin machinery, which the tree does not have.
 PLUGIN_ONLY_TESTS = {
     "test_flags.py",
@@ -100,6 +108,7 @@ SPDX = (
     "# SPDX-License-Identifier: Apache-2.0\n"
     "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n"
 )
+NOQA = re.compile(r"# noqa: [A-Z]+[0-9]+(?:, [A-Z]+[0-9]+)*")
 LEFTOVER = re.compile(r"\bvllm_cpu_offload(\.|\s+import)")
 
 
@@ -112,7 +121,8 @@ def rewrite(text: str) -> str:
 
 
 def replace_once(path: Path, old: str, new: str) -> None:
-    """Replaces the one occurrence of `old` in `path`; vLLM's file must still have it."""
+    """Replaces the one occurrence of `old` in `path`; vLLM's file must still have
+    it."""
     text = path.read_text()
     count = text.count(old)
     assert count == 1, f"{path}: expected one anchor, found {count}: {old[:60]!r}"
@@ -144,15 +154,22 @@ def flags_source() -> tuple[ast.Module, str]:
 
 
 def engine_fields() -> list[EngineField]:
-    """The keyword arguments flags.py adds to EngineArgs (its `_wrap_init`), in order."""
+    """The keyword arguments flags.py adds to EngineArgs (its `_wrap_init`), in
+    order."""
     tree, _ = flags_source()
-    wrap = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_wrap_init")
+    wrap = next(
+        n
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef) and n.name == "_wrap_init"
+    )
     init = next(n for n in wrap.body if isinstance(n, ast.FunctionDef))
     args = init.args
     fields = []
     for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
         assert arg.annotation is not None and default is not None, arg.arg
-        fields.append(EngineField(arg.arg, ast.unparse(arg.annotation), ast.unparse(default)))
+        fields.append(
+            EngineField(arg.arg, ast.unparse(arg.annotation), ast.unparse(default))
+        )
     assert [f.name for f in fields][:2] == ["enable_cpu_offload", "swap_space"], fields
     return fields
 
@@ -185,7 +202,9 @@ def in_tree_flags() -> str:
             keep.append("".join(lines[max(start, start_of_body) : end]))
         cursor = end
     missing = (FLAGS_PATCH_ONLY | set(FLAGS_RENAMES)) - names
-    assert not missing, f"flags.py no longer defines {sorted(missing)}: update this script"
+    assert not missing, (
+        f"flags.py no longer defines {sorted(missing)}: update this script"
+    )
     source = "\n\n".join(part.strip("\n") + "\n" for part in keep)
     for old, new in FLAGS_RENAMES.items():
         source = re.sub(rf"\b{old}\b", new, source)
@@ -218,16 +237,24 @@ def stage_connector(tree: Path) -> None:
 def stage_engine_args(tree: Path) -> None:
     write(tree / IN_TREE / "flags.py", in_tree_flags())
     arg_utils = tree / "vllm/engine/arg_utils.py"
-    anchor = "    kv_offloading_backend: KVOffloadingBackend = CacheConfig.kv_offloading_backend\n"
-    fields = "".join(f"    {f.name}: {f.annotation} = {f.default}\n" for f in engine_fields())
+    anchor = (
+        "    kv_offloading_backend: KVOffloadingBackend"
+        " = CacheConfig.kv_offloading_backend\n"
+    )
+    fields = "".join(
+        f"    {f.name}: {f.annotation} = {f.default}\n" for f in engine_fields()
+    )
     replace_once(
         arg_utils,
         anchor,
-        anchor + "    # Host-memory KV tier (CPUOffloadConnector); see its flags.py.\n" + fields,
+        anchor
+        + "    # Host-memory KV tier (CPUOffloadConnector); see its flags.py.\n"
+        + fields,
     )
     anchor = (
         "        cache_group.add_argument(\n"
-        '            "--kv-offloading-backend", **cache_kwargs["kv_offloading_backend"]\n'
+        '            "--kv-offloading-backend", '
+        '**cache_kwargs["kv_offloading_backend"]\n'
         "        )\n"
     )
     replace_once(
@@ -240,9 +267,11 @@ def stage_engine_args(tree: Path) -> None:
     )
     replace_once(
         arg_utils,
-        "            **{attr: getattr(args, attr) for attr in attrs if hasattr(args, attr)}\n"
+        "            "
+        "**{attr: getattr(args, attr) for attr in attrs if hasattr(args, attr)}\n"
         "        )\n        return engine_args\n",
-        "            **{attr: getattr(args, attr) for attr in attrs if hasattr(args, attr)}\n"
+        "            "
+        "**{attr: getattr(args, attr) for attr in attrs if hasattr(args, attr)}\n"
         "        )\n"
         f"        from {IN_TREE_MOD}.config import OffloadConfigError\n"
         f"        from {IN_TREE_MOD}.flags import resolve_offload\n\n"
@@ -254,14 +283,17 @@ def stage_engine_args(tree: Path) -> None:
         "            raise SystemExit(2) from None\n"
         "        return engine_args\n",
     )
-    anchor = '        NOTE: If VllmConfig is incompatible, we raise an error.\n        """\n'
+    anchor = (
+        '        NOTE: If VllmConfig is incompatible, we raise an error.\n        """\n'
+    )
     replace_once(
         arg_utils,
         anchor,
         anchor + f"        from {IN_TREE_MOD}.flags import (\n"
         "            check_engine,\n            kv_transfer_config_for,\n"
         "            resolve_offload,\n        )\n\n"
-        "        # --enable-cpu-offload resolves to the CPUOffloadConnector here, so every\n"
+        "        # --enable-cpu-offload resolves to the CPUOffloadConnector here, so "
+        "every\n"
         "        # process gets it through kv_transfer_config.\n"
         "        cpu_offload = resolve_offload(self)\n"
         "        if cpu_offload is not None:\n"
@@ -271,7 +303,8 @@ def stage_engine_args(tree: Path) -> None:
     replace_once(
         arg_utils,
         "        return config\n\n    def _check_feature_supported(self):\n",
-        "        if cpu_offload is not None:\n            check_engine(config, cpu_offload)\n"
+        "        if cpu_offload is not None:\n            check_engine(config, "
+        "cpu_offload)\n"
         "        return config\n\n    def _check_feature_supported(self):\n",
     )
 
@@ -295,7 +328,9 @@ def stage_omp_cores(tree: Path) -> None:
 def _drop_function(text: str, name: str) -> str:
     """`text` without the top-level function `name` (and its decorators)."""
     tree = ast.parse(text)
-    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    node = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name
+    )
     lines = text.splitlines(keepends=True)
     start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
     end = node.end_lineno or node.lineno
@@ -324,8 +359,11 @@ def stage_tests(tree: Path) -> None:
         copy_test(src, dst / "kernels" / src.name, tree)
     for src in sorted((REPO / "tests/external_policy").glob("*.py")):
         copy_rewritten(src, dst / "external_policy" / src.name)
-    scheduler_test = REPO / "tests/vllm_helpers/test_vllm_scheduler_with_our_connector.py"
-    # In tree vLLM's connector test helpers are a plain import (conftest.py: vllm_utils).
+    scheduler_test = (
+        REPO / "tests/vllm_helpers/test_vllm_scheduler_with_our_connector.py"
+    )
+    # In tree vLLM's connector test helpers are a plain import (conftest.py:
+    # vllm_utils).
     text = _drop_function(scheduler_test.read_text(), "vllm_utils")
     write(dst / "test_vllm_scheduler.py", rewrite(text))
     copy_rewritten(PACKAGE / "testing/tiny_model.py", dst / "tiny_model.py")
@@ -338,7 +376,8 @@ def stage_tests(tree: Path) -> None:
 def stage_docs(tree: Path) -> None:
     usage = (TEMPLATES / "docs/features/cpu_offload_connector.md").read_text()
     design = (REPO / "docs/design.md").read_text()
-    # The package's design notes from "One engine step" on; links to its other docs dropped.
+    # The package's design notes from "One engine step" on; links to its other docs
+    # dropped.
     start = design.index("## One engine step")
     design = re.sub(r"\[([^\]]+)\]\((?!https?:)[^)]*\)", r"\1", design[start:])
     design = re.sub(r"^## ", "### ", design, flags=re.M)
@@ -367,101 +406,119 @@ PATCHES = (
         stage_connector,
         f"[KV Connector] Add {CONNECTOR}: a host-memory tier for the prefix cache",
         """\
-Long-document QA, multi-turn chat and agent loops re-read the same prefixes. When their
-KV no longer fits in device memory, vLLM recomputes it. This connector keeps every full
-KV block it sees in a fixed pool of host memory, keyed by vLLM's own block hashes, and when
-a later request shares a prefix whose blocks left the device it loads them back, layer by
-layer inside the same step, instead of recomputing them.
+Long-document QA, multi-turn chat and agent loops re-read the same
+prefixes. When their KV no longer fits in device memory, vLLM recomputes
+it. This connector keeps every full KV block it sees in a fixed pool of
+host memory, keyed by vLLM's own block hashes, and when a later request
+shares a prefix whose blocks left the device it loads them back, layer
+by layer inside the same step, instead of recomputing them.
 
-It is a KVConnectorBase_V1 that only forwards: the scheduler role to a host block pool
-with pluggable eviction (prefix_aware by default, lru), the worker role to a transfer
-engine (Triton kernels or the copy engines on CUDA, tensor views on CPU). It supports the
-hybrid KV cache manager (SupportsHMA), reports failed loads as invalid blocks so that they
-are recomputed, and publishes Prometheus metrics and KV events (medium CPU).
+It is a KVConnectorBase_V1 that only forwards: the scheduler role to a
+host block pool with pluggable eviction (prefix_aware by default, lru),
+the worker role to a transfer engine (Triton kernels or the copy engines
+on CUDA, tensor views on CPU). It supports the hybrid KV cache manager
+(SupportsHMA), reports failed loads as invalid blocks so that they are
+recomputed, and publishes Prometheus metrics and KV events (medium CPU).
 
-Registered in KVConnectorFactory as CPUOffloadConnector; selected with
---kv-transfer-config '{"kv_connector": "CPUOffloadConnector", "kv_role": "kv_both"}'
-until the next patch adds the engine flags.
+Registered in KVConnectorFactory as CPUOffloadConnector; until the next
+patch adds the engine flags, it is selected with
+
+  --kv-transfer-config \\
+    '{"kv_connector": "CPUOffloadConnector", "kv_role": "kv_both"}'
 """,
     ),
     Patch(
         stage_engine_args,
         "[Core] Add --enable-cpu-offload and --swap-space to turn on the host KV tier",
         """\
-Turning the host tier on should not take a JSON connector config. --enable-cpu-offload
-turns it on (4 GiB per worker, the size --swap-space had before it was removed) and
---swap-space GIB sizes it. Both are EngineArgs fields, so LLM(..., enable_cpu_offload=True,
-swap_space=8) works as `vllm serve ... --enable-cpu-offload --swap-space 8` does.
+Turning the host tier on should not take a JSON connector config.
+--enable-cpu-offload turns it on (4 GiB per worker, the size
+--swap-space had before it was removed) and --swap-space GIB sizes it.
+Both are EngineArgs fields, so LLM(..., enable_cpu_offload=True,
+swap_space=8) works as `vllm serve ... --enable-cpu-offload --swap-space
+8` does.
 
-create_engine_config resolves them to a kv_transfer_config naming CPUOffloadConnector
-(with kv_load_failure_policy=recompute: a host block that fails to load is a cache miss,
-not a failed request), so every process receives the tier through the config it already
-gets. The resolved size lives in the connector's kv_connector_extra_config, not in a
-second copy on CacheConfig that could disagree with it.
+create_engine_config resolves them to a kv_transfer_config naming
+CPUOffloadConnector (with kv_load_failure_policy=recompute: a host block
+that fails to load is a cache miss, not a failed request), so every
+process receives the tier through the config it already gets. The
+resolved size lives in the connector's kv_connector_extra_config, not in
+a second copy on CacheConfig that could disagree with it.
 
-Bad input is refused before anything starts, with one line that names the fix:
---swap-space without --enable-cpu-offload (so vLLM without the enable flag behaves exactly
-as before), a size that is not a positive number or exceeds the host memory available,
-another KV connector or --kv-offloading-size at the same time, and models whose state the
-tier cannot hold (Mamba-style layers).
+Bad input is refused before anything starts, with one line that names
+the fix: --swap-space without --enable-cpu-offload (so vLLM without the
+enable flag behaves exactly as before), a size that is not a positive
+number or exceeds the host memory available, another KV connector or
+--kv-offloading-size at the same time, and models whose state the tier
+cannot hold (Mamba-style layers).
 """,
     ),
     Patch(
         stage_omp_cores,
         f"[Core] Keep the model's OpenMP cores with {CONNECTOR} on the CPU backend",
         """\
-The CPU executor reserves one more core per local worker whenever any kv_transfer_config
-is set; it is meant for NIXL's transfer threads. The host tier needs none: its copies run
-on the worker's own thread between forward passes. The reservation would only change the
-model's OpenMP threads: on a large machine it takes a core away from the model, on a small
-one vLLM drops the reservation and the model gets one more thread than without a
-connector. A different thread count changes the order of bf16 reductions, and so greedy
-tokens, before the host tier has served anything.
+The CPU executor reserves one more core per local worker whenever any
+kv_transfer_config is set; it is meant for NIXL's transfer threads. The
+host tier needs none: its copies run on the worker's own thread between
+forward passes. The reservation would only change the model's OpenMP
+threads: on a large machine it takes a core away from the model, on a
+small one vLLM drops the reservation and the model gets one more thread
+than without a connector. A different thread count changes the order of
+bf16 reductions, and so greedy tokens, before the host tier has served
+anything.
 
-With this change the flag leaves the model's cores and binding as they are without it;
-VLLM_CPU_NUM_OF_RESERVED_CPU and VLLM_CPU_OMP_THREADS_BIND still decide when set.
+With this change the flag leaves the model's cores and binding as they
+are without it; VLLM_CPU_NUM_OF_RESERVED_CPU and
+VLLM_CPU_OMP_THREADS_BIND still decide when set.
 """,
     ),
     Patch(
         stage_tests,
         f"[CI/Build] Add tests for {CONNECTOR} and the host-tier engine flags",
         """\
-tests/v1/kv_connector/cpu_offload/ covers the tier from its parts to the engine:
+tests/v1/kv_connector/cpu_offload/ covers the tier from its parts to the
+engine:
 
-- the host block pool (scenarios, and a hypothesis state machine against a model of it),
-  the eviction policies and their registry, the KV cache groups of hybrid models, the
-  scheduler half's load and store plans, the worker half, the host buffer, the block
-  layouts and copies (byte-exact; the Triton kernel tests run in interpreter mode without
-  a GPU);
-- the connector inside vLLM's own Scheduler, driven by the connector test helpers of
-  tests/v1/kv_connector/unit/utils.py: lifecycle, an evicted prefix back from the host
-  tier, failed loads recomputed through the invalid-block path, preemption, sleep;
-- the engine flags (fields, parser, one-line errors) and LLM(enable_cpu_offload=True,
-  swap_space=...) on a small generated model: re-reads served from host memory with
-  the same greedy outputs as without the flag.
+- the host block pool (scenarios, and a hypothesis state machine against
+  a model of it), the eviction policies and their registry, the KV cache
+  groups of hybrid models, the scheduler half's load and store plans,
+  the worker half, the host buffer, the block layouts and copies
+  (byte-exact; the Triton kernel tests run in interpreter mode without a
+  GPU);
+- the connector inside vLLM's own Scheduler, driven by the connector
+  test helpers of tests/v1/kv_connector/unit/utils.py: lifecycle, an
+  evicted prefix back from the host tier, failed loads recomputed
+  through the invalid-block path, preemption, sleep;
+- the engine flags (fields, parser, one-line errors) and
+  LLM(enable_cpu_offload=True, swap_space=...) on a small generated
+  model: re-reads served from host memory with the same greedy outputs
+  as without the flag.
 
-The engine tests use a Llama-style model written locally in seconds (tiny_model.py: a
-config, a word-level tokenizer and random weights), so they need no download.
+The engine tests use a Llama-style model written locally in seconds
+(tiny_model.py: a config, a word-level tokenizer and random weights), so
+they need no download.
 """,
     ),
     Patch(
         stage_docs,
         f"[Doc] Add the {CONNECTOR} usage and design page",
         """\
-How to turn the host tier on (the two flags, or --kv-transfer-config with its keys), how
-to size it, how it behaves with hybrid models and on the CPU backend, its metrics and
-events, and how one engine step moves blocks between device and host memory.
+How to turn the host tier on (the two flags, or --kv-transfer-config
+with its keys), how to size it, how it behaves with hybrid models and on
+the CPU backend, its metrics and events, and how one engine step moves
+blocks between device and host memory.
 """,
     ),
     Patch(
         stage_benchmark,
         f"[Benchmark] Add a micro-benchmark of the {CONNECTOR} host block pool",
         """\
-Every scheduler step looks up, pins, stores and evicts host blocks, so each of these must
-be O(1) per block. The benchmark times each operation per block for every built-in
-eviction policy (about 1 us per block here) and writes the figures as JSON. End-to-end
-figures come from benchmarks/benchmark_long_document_qa_throughput.py, which takes the
-new engine flags as it takes any other.
+Every scheduler step looks up, pins, stores and evicts host blocks, so
+each of these must be O(1) per block. The benchmark times each operation
+per block for every built-in eviction policy (about 1 us per block here)
+and writes the figures as JSON. End-to-end figures come from
+benchmarks/benchmark_long_document_qa_throughput.py, which takes the new
+engine flags as it takes any other.
 """,
     ),
 )
@@ -494,18 +551,27 @@ def git(tree: Path, *args: str) -> str:
     ).stdout
 
 
-def ruff_command() -> list[str]:
-    """The pinned ruff: this interpreter's when it is that version, else one installed
-    once into .cache/ (PyPI)."""
+def ruff_version(sdist: Path) -> str:
+    """The ruff that vLLM's pre-commit pins, so that a maintainer's pre-commit run
+    changes nothing in the series."""
+    config = (sdist / ".pre-commit-config.yaml").read_text()
+    match = re.search(r"astral-sh/ruff-pre-commit\s+rev:\s*v?([\w.]+)", config)
+    assert match, "vLLM's .pre-commit-config.yaml no longer pins ruff-pre-commit"
+    return match.group(1)
+
+
+def ruff_command(version: str) -> list[str]:
+    """That ruff: this interpreter's when it is that version, else one installed once
+    into .cache/ (PyPI)."""
     try:
         out = subprocess.run(
             [sys.executable, "-m", "ruff", "--version"], capture_output=True, text=True
         ).stdout
     except OSError:
         out = ""
-    if out.split()[-1:] == [RUFF_VERSION]:
+    if out.split()[-1:] == [version]:
         return [sys.executable, "-m", "ruff"]
-    target = REPO / ".cache" / f"ruff-{RUFF_VERSION}"
+    target = REPO / ".cache" / f"ruff-{version}"
     binary = target / "bin" / "ruff"
     if not binary.exists():
         subprocess.run(
@@ -517,11 +583,55 @@ def ruff_command() -> list[str]:
                 "-q",
                 "--target",
                 str(target),
-                f"ruff=={RUFF_VERSION}",
+                f"ruff=={version}",
             ],
             check=True,
         )
     return [str(binary)]
+
+
+def relative_imports(name: str, text: str) -> str:
+    """An in-tree module imports its package's modules relatively, as many of vLLM's
+    packages do: the absolute in-tree paths run past vLLM's line length."""
+    parts = name.removesuffix(".py").split("/")
+    package = parts[:-1]  # the package a relative import starts from
+    prefix = IN_TREE_MOD.split(".")
+
+    def relative(match: re.Match[str]) -> str:
+        target = (IN_TREE_MOD + (match.group(2) or "")).split(".")
+        common = 0
+        while common < min(len(package), len(target)) and (
+            package[common] == target[common]
+        ):
+            common += 1
+        assert common >= len(prefix), (name, match.group(0))
+        dots = "." * (1 + len(package) - common)
+        rest = ".".join(target[common:])
+        return f"{match.group(1)}from {dots}{rest} import"
+
+    pattern = rf"^(\s*)from {re.escape(IN_TREE_MOD)}((?:\.\w+)*) import"
+    return re.sub(pattern, relative, text, flags=re.M)
+
+
+def mark_long_imports(path: Path) -> None:
+    """A test's import of an in-tree module that still runs past the line length gets
+    the `# noqa: E501` that vLLM gives such lines."""
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    starts = {
+        node.lineno - 1
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.ImportFrom)
+    }
+    for i in sorted(starts):
+        line = lines[i].rstrip("\n")
+        if len(line) <= LINE_LENGTH:
+            continue
+        if NOQA.search(line):  # one noqa comment per line: add the code to it
+            lines[i] = NOQA.sub(lambda m: f"{m.group(0)}, E501", line) + "\n"
+        else:
+            lines[i] = line + "  # noqa: E501\n"
+    path.write_text("".join(lines))
 
 
 def format_python(tree: Path, ruff: list[str]) -> None:
@@ -531,23 +641,24 @@ def format_python(tree: Path, ruff: list[str]) -> None:
     files = [f for f in files if (tree / f).exists()]
     if not files:
         return
-    # isort under vLLM's settings; unused imports only in the in-tree flags.py, whose
-    # patch machinery (and its imports) was cut out.
     for name in files:
         path = tree / name
         text = path.read_text()
         if not text.startswith("# SPDX"):
-            path.write_text(SPDX + text)
+            text = SPDX + text
+        if name.startswith(IN_TREE + "/"):
+            text = relative_imports(name, text)
+        path.write_text(text)
+    # isort under vLLM's settings, and the imports left unused where this script cut a
+    # part out (the package itself has none: its own ruff checks F401).
     subprocess.run(
-        [*ruff, "check", "-q", "--no-cache", "--fix-only", "--select", "I", *files], cwd=tree
+        [*ruff, "check", "-q", "--no-cache", "--fix-only", "--select", "I,F401"]
+        + files,
+        cwd=tree,
     )
-    flags = f"{IN_TREE}/flags.py"
-    if flags in files:
-        subprocess.run(
-            [*ruff, "check", "-q", "--no-cache", "--fix-only", "--select", "F401", flags],
-            cwd=tree,
-        )
     subprocess.run([*ruff, "format", "-q", "--no-cache", *files], cwd=tree, check=True)
+    for name in files:
+        mark_long_imports(tree / name)
 
 
 # ----------------------------------------------------------------------------- main
@@ -565,17 +676,28 @@ def fetch_full_sdist() -> Path:
 
 
 def base_tree(sdist: Path, tree: Path) -> None:
-    shutil.copytree(sdist, tree, symlinks=True, ignore=shutil.ignore_patterns(".complete"))
+    shutil.copytree(
+        sdist, tree, symlinks=True, ignore=shutil.ignore_patterns(".complete")
+    )
     git(tree, "init", "-q", "-b", "main")
     git(tree, "add", "-A", "-f")
-    git(tree, "commit", "-q", "--no-verify", "-m", f"vLLM {VLLM_VERSION} (source distribution)")
+    git(
+        tree,
+        "commit",
+        "-q",
+        "--no-verify",
+        "-m",
+        f"vLLM {VLLM_VERSION} (source distribution)",
+    )
     git(tree, "tag", "base")
 
 
 def build(sdist: Path, tree: Path, out: Path) -> list[Path]:
-    """Builds the series on a copy of `sdist` in `tree`; writes it and the cover to `out`."""
+    """Builds the series on a copy of `sdist` in `tree`; writes it and the cover to
+    `out`."""
     base_tree(sdist, tree)
-    ruff = ruff_command()
+    version = ruff_version(sdist)
+    ruff = ruff_command(version)
     for patch in PATCHES:
         patch.stage(tree)
         format_python(tree, ruff)
@@ -597,11 +719,11 @@ def build(sdist: Path, tree: Path, out: Path) -> list[Path]:
         "base..HEAD",
     )
     patches = sorted(out.glob("*.patch"))
-    write(out / "README.md", cover_letter(tree, patches))
+    write(out / "README.md", cover_letter(tree, patches, version))
     return patches
 
 
-def cover_letter(tree: Path, patches: list[Path]) -> str:
+def cover_letter(tree: Path, patches: list[Path], ruff_version: str) -> str:
     listing = "\n".join(
         f"{i}. `{p.name}`: {patch.title}"
         for i, (p, patch) in enumerate(zip(patches, PATCHES, strict=True), 1)
@@ -612,7 +734,9 @@ def cover_letter(tree: Path, patches: list[Path]) -> str:
         f"{p.name}: " + git(tree, "show", "--shortstat", "--format=", sha).strip()
         for p, sha in zip(patches, commits, strict=True)
     )
-    fields = ", ".join(f"`{f.name}: {f.annotation} = {f.default}`" for f in engine_fields())
+    fields = ", ".join(
+        f"`{f.name}: {f.annotation} = {f.default}`" for f in engine_fields()
+    )
     template = Template((TEMPLATES / "README.md.in").read_text())
     return template.substitute(
         patches=listing,
@@ -620,7 +744,7 @@ def cover_letter(tree: Path, patches: list[Path]) -> str:
         per_patch=per_patch,
         fields=fields,
         version=VLLM_VERSION,
-        ruff=RUFF_VERSION,
+        ruff=ruff_version,
         stage_time=STAGE_TIME,
     )
 
@@ -630,10 +754,20 @@ def main() -> int:
     parser.add_argument(
         "--check", action="store_true", help="compare with upstream/, write nothing"
     )
-    parser.add_argument("--sdist", type=Path, help="an unpacked vLLM 0.32.0 sdist (default: fetch)")
+    parser.add_argument(
+        "--sdist", type=Path, help="an unpacked vLLM 0.32.0 sdist (default: fetch)"
+    )
     parser.add_argument("--tree", type=Path, help="build the patched tree here (kept)")
+    parser.add_argument(
+        "--print-ruff",
+        action="store_true",
+        help="print the command of the ruff vLLM's pre-commit pins, build nothing",
+    )
     args = parser.parse_args()
     sdist = args.sdist or fetch_full_sdist()
+    if args.print_ruff:
+        print(shlex.join(ruff_command(ruff_version(sdist))))
+        return 0
     with tempfile.TemporaryDirectory(prefix="upstream-") as tmp:
         tree = args.tree or Path(tmp) / "vllm"
         if tree.exists():
@@ -644,7 +778,9 @@ def main() -> int:
             print("\n".join(str(p.relative_to(REPO)) for p in patches))
             return 0
         names = sorted(p.name for p in out.iterdir() if p.suffix in (".patch", ".md"))
-        committed = sorted(p.name for p in UPSTREAM.iterdir() if p.suffix in (".patch", ".md"))
+        committed = sorted(
+            p.name for p in UPSTREAM.iterdir() if p.suffix in (".patch", ".md")
+        )
         differ = [
             n
             for n in names

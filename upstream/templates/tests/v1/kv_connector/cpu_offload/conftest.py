@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Fixtures of the CPUOffloadConnector tests: a small generated model and vLLM's connector
-test helpers."""
+"""Fixtures of the CPUOffloadConnector tests: a small generated model and vLLM's
+connector test helpers."""
 
 import os
 from types import ModuleType
@@ -35,7 +35,7 @@ def tiny_model() -> str:
 
 @pytest.fixture(scope="module")
 def vllm_utils() -> ModuleType:
-    """vLLM's connector test helpers (tests/v1/kv_connector/unit/utils.py)."""
+    """The connector test helpers of vLLM (tests/v1/kv_connector/unit/utils.py)."""
     from tests.v1.kv_connector.unit import utils
 
     return utils

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""LLM(enable_cpu_offload=True, swap_space=...) serves re-reads from host memory, with the
-greedy outputs of the same engine without the flag."""
+"""LLM(enable_cpu_offload=True, swap_space=...) serves re-reads from host memory, with
+the greedy outputs of the same engine without the flag."""
 
 import gc
 import random
