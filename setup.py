@@ -1,6 +1,6 @@
-"""Installs `vllm_cpu_offload.pth` beside the package: it runs `vllm_cpu_offload_hook.install()`
-at interpreter start, so the flags reach every vLLM tool without an import of this package.
-Everything else is in pyproject.toml."""
+"""Installs `vllm_cpu_offload.pth` beside the package: it runs
+`vllm_cpu_offload_hook.install()` at interpreter start, so the flags reach every vLLM
+tool without an import of this package. Everything else is in pyproject.toml."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ class BuildWithPth(build_py):
         write_pth(self.build_lib)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
-        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / PTH_NAME)]
+        return [
+            *super().get_outputs(include_bytecode),
+            str(Path(self.build_lib) / PTH_NAME),
+        ]
 
 
 setup(cmdclass={"build_py": BuildWithPth})

@@ -1,18 +1,19 @@
 """Applies the plugin the moment vLLM's `vllm.engine.arg_utils` is first imported.
 
 vLLM loads its general plugins late: after `EngineArgs(...)` has accepted its keyword
-arguments and, in `EngineArgs.add_cli_args`, not at all. So `LLM(..., enable_cpu_offload=True)`
-and every script that builds its parser with `EngineArgs.add_cli_args` (vLLM's own benchmark
-scripts among them) would not know the two flags unless they imported this package.
+arguments and, in `EngineArgs.add_cli_args`, not at all. So `LLM(...,
+enable_cpu_offload=True)` and every script that builds its parser with
+`EngineArgs.add_cli_args` (vLLM's own benchmark scripts among them) would not know the
+two flags unless they imported this package.
 
-`vllm_cpu_offload.pth`, installed beside this module, runs `install()` at interpreter start.
-That costs one entry in `sys.meta_path` and nothing else: this module imports only the
-standard library, and the finder answers for a single module name. When that module is
-imported, the finder lets the normal import run, then applies the plugin (the same
-`register()` vLLM's entry point calls) before anyone can use `EngineArgs`. The plugin itself
-changes nothing while the flags are off. `VLLM_PLUGINS` is honoured as vLLM honours it: when
-it is set and does not name `cpu_offload`, nothing is applied. Uninstalling the package
-removes the .pth and this module, and with them the hook.
+`vllm_cpu_offload.pth`, installed beside this module, runs `install()` at interpreter
+start. That costs one entry in `sys.meta_path` and nothing else: this module imports
+only the standard library, and the finder answers for a single module name. When that
+module is imported, the finder lets the normal import run, then applies the plugin (the
+same `register()` vLLM's entry point calls) before anyone can use `EngineArgs`. The
+plugin itself changes nothing while the flags are off. `VLLM_PLUGINS` is honoured as
+vLLM honours it: when it is set and does not name `cpu_offload`, nothing is applied.
+Uninstalling the package removes the .pth and this module, and with them the hook.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from __future__ import annotations
 import os
 import sys
 
-TYPE_CHECKING = False  # not typing's: interpreter start imports nothing `site` did not load
+TYPE_CHECKING = (
+    False  # not typing's: interpreter start imports nothing `site` did not load
+)
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from importlib.abc import Loader
@@ -47,10 +50,14 @@ def _apply() -> None:
         from vllm_cpu_offload.plugin import register
 
         register()
-    except Exception as e:  # never break vLLM's import; vLLM's own plugin load says more
+    except (
+        Exception
+    ) as e:  # never break vLLM's import; vLLM's own plugin load says more
         import warnings
 
-        warnings.warn(f"vllm-cpu-offload was not applied: {e}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"vllm-cpu-offload was not applied: {e}", RuntimeWarning, stacklevel=2
+        )
 
 
 class _ApplyAfterLoad:
@@ -72,7 +79,10 @@ class _ApplyAfterLoad:
 
 class _ArgUtilsFinder:
     def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
     ) -> ModuleSpec | None:
         if fullname != TARGET:
             return None
@@ -87,7 +97,9 @@ class _ArgUtilsFinder:
 
 def install() -> None:
     """Called by the .pth at interpreter start; idempotent."""
-    if TARGET in sys.modules or any(isinstance(f, _ArgUtilsFinder) for f in sys.meta_path):
+    if TARGET in sys.modules or any(
+        isinstance(f, _ArgUtilsFinder) for f in sys.meta_path
+    ):
         return
     sys.meta_path.insert(0, _ArgUtilsFinder())  # type: ignore[arg-type]
 
@@ -95,8 +107,8 @@ def install() -> None:
 def write_pth(site_dir: str | None = None) -> str:
     """Writes the .pth into `site_dir` (this interpreter's site-packages by default).
 
-    A wheel carries the .pth (setup.py); an editable install does not, so the development
-    environment writes it with this.
+    A wheel carries the .pth (setup.py); an editable install does not, so the
+    development environment writes it with this.
     """
     import sysconfig
 

@@ -1,17 +1,17 @@
 """Host blocks of k device blocks (offload_block_size): hit rate on the Mooncake trace.
 
 The trace replay of trace_replay.py (a GPU prefix cache of G blocks in front of the host
-tier, one request at a time, write-through stores), with the host tier in units of k trace
-blocks, as the connector runs it with `offload_block_size = k x block size`:
-  - a host block is keyed by its last block's hash and holds k blocks; the tier holds C // k
-    of them, the same bytes for every k;
+tier, one request at a time, write-through stores), with the host tier in units of k
+trace blocks, as the connector runs it with `offload_block_size = k x block size`:
+  - a host block is keyed by its last block's hash and holds k blocks; the tier holds C
+    // k of them, the same bytes for every k;
   - a host hit starts in the host block that holds the first block past the GPU hit and
-    ends at a host block's end, so up to k - 1 blocks of a reusable prefix are lost at the
-    end of each hit;
+    ends at a host block's end, so up to k - 1 blocks of a reusable prefix are lost at
+    the end of each hit;
   - stores cover whole host blocks only: the last (full) blocks of a request that do not
     fill a host block are never stored.
-Prints blocks saved from prefill (GPU hits + host hits) per k and host size, and the time
-the pool took (lookups, pins, touches, stores) per request.
+Prints blocks saved from prefill (GPU hits + host hits) per k and host size, and the
+time the pool took (lookups, pins, touches, stores) per request.
 
 Usage: python benchmarks/host_block_size.py [--k 1 2 4 8] [--host-blocks 2000 4000 8000]
            [--gpu-blocks 1000] [--policy prefix_aware] [--limit N]
@@ -43,7 +43,9 @@ class UnitTier:
     def __init__(self, policy: str, capacity_blocks: int, k: int) -> None:
         units = capacity_blocks // k
         self.k = k
-        self.pool = HostBlockPool(units, make_policy(policy, units), record_events=False)
+        self.pool = HostBlockPool(
+            units, make_policy(policy, units), record_events=False
+        )
         self.seconds = 0.0
 
     def serve(self, keys: Sequence[int], gpu_hits: int) -> int:
@@ -78,7 +80,9 @@ def replay(trace: list[list[int]], gpu_blocks: int, tier: UnitTier) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--host-blocks", type=int, nargs="+", default=[2000, 4000, 8000, 16000])
+    parser.add_argument(
+        "--host-blocks", type=int, nargs="+", default=[2000, 4000, 8000, 16000]
+    )
     parser.add_argument("--gpu-blocks", type=int, default=1000)
     parser.add_argument("--policy", default="prefix_aware")
     parser.add_argument("--limit", type=int, default=None)
@@ -86,9 +90,14 @@ def main() -> None:
 
     trace = load_trace(args.limit)
     total = sum(map(len, trace))
-    print(f"{len(trace)} requests, {total} blocks; GPU {args.gpu_blocks} blocks; {args.policy}")
-    print(f"{'host C':>7} {'k':>3} {'host hits':>9} {'saved':>7} {'saved %':>8} {'vs k=1':>7}"
-          f" {'us/request':>10}")  # fmt: skip
+    print(
+        f"{len(trace)} requests, {total} blocks; GPU {args.gpu_blocks} blocks; "
+        f"{args.policy}"
+    )
+    print(
+        f"{'host C':>7} {'k':>3} {'host hits':>9} {'saved':>7} {'saved %':>8}"
+        f" {'vs k=1':>7} {'us/request':>10}"
+    )
     rows = []
     for capacity in args.host_blocks:
         base = None
@@ -97,10 +106,13 @@ def main() -> None:
             result = replay(trace, args.gpu_blocks, tier)
             base = base if base is not None else result["saved"]
             us = 1e6 * tier.seconds / len(trace)
-            rows.append({"host_blocks": capacity, "k": k, "pool_us_per_request": us, **result})
+            rows.append(
+                {"host_blocks": capacity, "k": k, "pool_us_per_request": us, **result}
+            )
             print(
                 f"{capacity:>7} {k:>3} {result['host_hits']:>9} {result['saved']:>7}"
-                f" {100 * result['saved'] / total:>7.2f}% {result['saved'] / base:>7.3f}"
+                f" {100 * result['saved'] / total:>7.2f}% "
+                f"{result['saved'] / base:>7.3f}"
                 f" {us:>10.1f}",
                 flush=True,
             )

@@ -1,20 +1,23 @@
-"""Long-document QA, the workload of PR 11532: prefix caching alone vs --enable-cpu-offload.
+"""Long-document QA, the workload of PR 11532: prefix caching alone vs
+--enable-cpu-offload.
 
-N documents of L tokens are each read once (warm-up), then re-read in a repeat order; the
-device KV cache holds about 8 documents and the host tier about 30. Requests are sent one at
-a time, so a request's latency is its time to first token (one output token by default). A
-last phase with no reuse at all (every prompt unique) measures the overhead of the tier.
+N documents of L tokens are each read once (warm-up), then re-read in a repeat order;
+the device KV cache holds about 8 documents and the host tier about 30. Requests are
+sent one at a time, so a request's latency is its time to first token (one output token
+by default). A last phase with no reuse at all (every prompt unique) measures the
+overhead of the tier.
 
 A fair A/B: each arm is a fresh process running vLLM as users run it (the default
-multiprocess engine: engine core and worker in their own processes, OpenMP threads bound by
-vLLM's CPU executor, the same cores with and without the flag). Arms are started alternately,
-`--pairs` times (A B, B A, A B, ...), on the same prompts; the tables give the median of the
-pairs and their range. Each phase also records the machine's steal time and the CPU time of
-the engine's processes, so that a slow spell of the host shows up as what it is.
+multiprocess engine: engine core and worker in their own processes, OpenMP threads bound
+by vLLM's CPU executor, the same cores with and without the flag). Arms are started
+alternately, `--pairs` times (A B, B A, A B, ...), on the same prompts; the tables give
+the median of the pairs and their range. Each phase also records the machine's steal
+time and the CPU time of the engine's processes, so that a slow spell of the host shows
+up as what it is.
 
-    python benchmarks/long_document_qa.py                    # N = 16, 32, 64, 3 pairs
-    python benchmarks/long_document_qa.py --docs 16 --pairs 1 --quick   # a smoke run
-    python benchmarks/long_document_qa.py --docs 10 --doc-tokens 1500 --device-blocks 200 \\
+    python benchmarks/long_document_qa.py # N = 16, 32, 64, 3 pairs python
+    benchmarks/long_document_qa.py --docs 16 --pairs 1 --quick # a smoke run python
+    benchmarks/long_document_qa.py --docs 10 --doc-tokens 1500 --device-blocks 200 \\
         --max-tokens 16 --no-reuse-docs 0          # the long-document exactness check
 
 Prints one table per N and the ratios, writes JSON and a plot to benchmarks/results/.
@@ -38,7 +41,11 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from vllm_cpu_offload.testing.tiny_model import TinyLlamaShape, ensure_tiny_llama, random_token_ids
+from vllm_cpu_offload.testing.tiny_model import (
+    TinyLlamaShape,
+    ensure_tiny_llama,
+    random_token_ids,
+)
 
 BLOCK_SIZE = 32
 RESULTS = Path(__file__).parent / "results"
@@ -64,10 +71,13 @@ class PhaseResult:
     prompt_tokens: int
     cached_tokens: int  # device and host hits, vLLM's own per-request count
     host_hit_tokens: int  # from the connector's Prometheus counter
-    # Time per request that hit nothing: the cost of one document's prefill in this phase.
+    # Time per request that hit nothing: the cost of one document's prefill in this
+    # phase.
     miss_ms_median: float
     misses: int
-    steal_s: float  # machine-wide, from /proc/stat: time the hypervisor ran someone else
+    steal_s: (
+        float  # machine-wide, from /proc/stat: time the hypervisor ran someone else
+    )
     engine_cpu_s: float  # user + system time of this process and the engine's processes
     tokens: list[list[int]]  # greedy output of each request, in order
 
@@ -87,7 +97,9 @@ def _repeat_order(n: int, mode: str, rng: random.Random) -> list[int]:
 def _steal_seconds() -> float:
     with open("/proc/stat") as f:
         fields = f.readline().split()
-    return int(fields[8]) / os.sysconf("SC_CLK_TCK")  # cpu user nice system idle ... steal
+    return int(fields[8]) / os.sysconf(
+        "SC_CLK_TCK"
+    )  # cpu user nice system idle ... steal
 
 
 def _engine_cpu_seconds() -> float:
@@ -124,11 +136,14 @@ def _make_llm(args: argparse.Namespace, shape: TinyLlamaShape, offload: bool) ->
         max_num_batched_tokens=4096,
         dtype="bfloat16",
         seed=0,
-        disable_log_stats=False,  # both arms: the host-hit counter comes from the metrics
+        # Both arms: the host-hit counter comes from the metrics.
+        disable_log_stats=False,
     )
     if offload:
         head_dim = shape.hidden_size // shape.num_heads
-        block_bytes = 2 * shape.num_layers * BLOCK_SIZE * shape.num_kv_heads * head_dim * 2
+        block_bytes = (
+            2 * shape.num_layers * BLOCK_SIZE * shape.num_kv_heads * head_dim * 2
+        )
         kwargs |= dict(
             enable_cpu_offload=True,
             swap_space=args.host_docs * doc_blocks * block_bytes / (1 << 30),
@@ -136,17 +151,25 @@ def _make_llm(args: argparse.Namespace, shape: TinyLlamaShape, offload: bool) ->
     return LLM(args.model, **kwargs)
 
 
-def _phase(llm: Any, arm: str, prompts: list[list[int]], order: list[int], max_tokens: int) -> dict:
+def _phase(
+    llm: Any, arm: str, prompts: list[list[int]], order: list[int], max_tokens: int
+) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    host_before, steal_before, cpu_before = _host_hits(llm), _steal_seconds(), _engine_cpu_seconds()
+    host_before, steal_before, cpu_before = (
+        _host_hits(llm),
+        _steal_seconds(),
+        _engine_cpu_seconds(),
+    )
     latencies, misses, tokens, cached, prompt_tokens = [], [], [], 0, 0
     start = time.perf_counter()
     for i in order:
         t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompts[i])], params, use_tqdm=False)[0]
+        out = llm.generate(
+            [TokensPrompt(prompt_token_ids=prompts[i])], params, use_tqdm=False
+        )[0]
         latency = time.perf_counter() - t0
         latencies.append(latency)
         hit = out.num_cached_tokens or 0
@@ -163,7 +186,8 @@ def _phase(llm: Any, arm: str, prompts: list[list[int]], order: list[int], max_t
             docs=len(prompts),
             wall_s=wall,
             ttft_mean_ms=1000 * statistics.fmean(latencies),
-            ttft_p90_ms=1000 * latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
+            ttft_p90_ms=1000
+            * latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))],
             prompt_tokens=prompt_tokens,
             cached_tokens=cached,
             host_hit_tokens=_host_hits(llm) - host_before,
@@ -194,7 +218,10 @@ def run_arm(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.no_reuse_docs:
             assert llm.reset_prefix_cache(reset_connector=True), "a block is still held"
             rng = random.Random(12345)
-            unique = [random_token_ids(rng, args.doc_tokens) for _ in range(args.no_reuse_docs)]
+            unique = [
+                random_token_ids(rng, args.doc_tokens)
+                for _ in range(args.no_reuse_docs)
+            ]
             once = _phase(llm, arm, unique, list(range(len(unique))), args.max_tokens)
             results.append({"docs": 0, "no_reuse": once})
     finally:
@@ -205,7 +232,15 @@ def run_arm(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _spawn_arm(arm: str, argv: list[str]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "arm.json"
-        cmd = [sys.executable, __file__, *argv, "--run-arm", arm, "--arm-json", str(out)]
+        cmd = [
+            sys.executable,
+            __file__,
+            *argv,
+            "--run-arm",
+            arm,
+            "--arm-json",
+            str(out),
+        ]
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine as users run it
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -219,7 +254,9 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def _fmt(s: dict[str, float], unit: str = "x", digits: int = 2) -> str:
-    return f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+    return (
+        f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+    )
 
 
 def summarize(pairs: list[dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
@@ -240,13 +277,25 @@ def summarize(pairs: list[dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
             b["reread"]["wall_s"] / o["reread"]["wall_s"]
             for b, o in zip(rows["prefix-caching"], rows["cpu-offload"], strict=True)
         ]
-        row: dict[str, Any] = {"docs": entry["docs"], "reread_speedup": _spread(speedups)}
-        print(f"\n{entry['docs']} documents, re-read phase (median of {len(pairs)} pairs, range)")
+        row: dict[str, Any] = {
+            "docs": entry["docs"],
+            "reread_speedup": _spread(speedups),
+        }
+        print(
+            f"\n{entry['docs']} documents, re-read phase (median of {len(pairs)} "
+            "pairs, range)"
+        )
         for arm in ARMS:
             r = [x["reread"] for x in rows[arm]]
             stats = {
                 key: _spread([x[key] for x in r])
-                for key in ("wall_s", "ttft_mean_ms", "ttft_p90_ms", "miss_ms_median", "steal_s")
+                for key in (
+                    "wall_s",
+                    "ttft_mean_ms",
+                    "ttft_p90_ms",
+                    "miss_ms_median",
+                    "steal_s",
+                )
             }
             stats["host_hit_tokens"] = _spread([x["host_hit_tokens"] for x in r])
             stats["cached_tokens"] = _spread([x["cached_tokens"] for x in r])
@@ -257,20 +306,29 @@ def summarize(pairs: list[dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
                 f"{_fmt(stats['ttft_mean_ms'], ' ms', 0)}, "
                 f"p90 {_fmt(stats['ttft_p90_ms'], ' ms', 0)}"
                 f", host hits {stats['host_hit_tokens']['median']:.0f}, a miss "
-                f"{stats['miss_ms_median']['median']:.0f} ms (warm-up {warm_miss['median']:.0f})"
+                f"{stats['miss_ms_median']['median']:.0f} ms (warm-up "
+                f"{warm_miss['median']:.0f})"
             )
-        print(f"  re-read speed-up {_fmt(row['reread_speedup'])}; outputs equal: {equal}")
+        print(
+            f"  re-read speed-up {_fmt(row['reread_speedup'])}; outputs equal: {equal}"
+        )
         summary["docs"].append(row)
     if "no_reuse" in base0[-1]:
-        # Same prompts in both arms: the throughput ratio is the inverse ratio of wall times.
+        # Same prompts in both arms: the throughput ratio is the inverse ratio of wall
+        # times.
         ratios = [
             p["prefix-caching"][-1]["no_reuse"]["wall_s"]
             / p["cpu-offload"][-1]["no_reuse"]["wall_s"]
             for p in pairs
         ]
         ratio = summary["no_reuse_throughput_ratio"] = _spread(ratios)
-        print(f"\nno reuse: throughput with the flag {_fmt(ratio, 'x', 3)} of the baseline")
-    print(f"greedy outputs of both arms equal in every pair: {summary['outputs_equal']}")
+        print(
+            f"\nno reuse: throughput with the flag {_fmt(ratio, 'x', 3)} of the "
+            "baseline"
+        )
+    print(
+        f"greedy outputs of both arms equal in every pair: {summary['outputs_equal']}"
+    )
     return summary
 
 
@@ -296,7 +354,14 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
             [m - r[arm]["wall_s"]["min"] for m, r in zip(med, rows, strict=True)],
             [r[arm]["wall_s"]["max"] - m for m, r in zip(med, rows, strict=True)],
         ]
-        ax.bar([x + offset * width / 2 for x in xs], med, width, yerr=err, capsize=3, label=label)
+        ax.bar(
+            [x + offset * width / 2 for x in xs],
+            med,
+            width,
+            yerr=err,
+            capsize=3,
+            label=label,
+        )
     ax.set_xticks(list(xs), [str(r["docs"]) for r in rows])
     ax.set_xlabel("documents")
     ax.set_ylabel("re-read phase, seconds")
@@ -312,13 +377,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--docs", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--doc-tokens", type=int, default=1000)
     parser.add_argument("--device-docs", type=int, default=8)
-    parser.add_argument("--device-blocks", type=int, default=0, help="overrides --device-docs")
+    parser.add_argument(
+        "--device-blocks", type=int, default=0, help="overrides --device-docs"
+    )
     parser.add_argument("--host-docs", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=1)
-    parser.add_argument("--repeat-mode", default="random", choices=["random", "tile", "interleave"])
+    parser.add_argument(
+        "--repeat-mode", default="random", choices=["random", "tile", "interleave"]
+    )
     parser.add_argument("--no-reuse-docs", type=int, default=24)
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a smaller model, for a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smaller model, for a smoke run"
+    )
     parser.add_argument("--out", default=str(RESULTS / "long_document_qa.json"))
     parser.add_argument("--run-arm", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--arm-json", help=argparse.SUPPRESS)
@@ -335,15 +406,18 @@ def main() -> None:
     shape = QUICK_SHAPE if args.quick else BENCH_SHAPE
     model = str(ensure_tiny_llama(shape))
     print(
-        f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}; documents "
+        f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}; "
+        "documents "
         f"of {args.doc_tokens} tokens; device cache "
-        f"{args.device_blocks or args.device_docs * -(-args.doc_tokens // BLOCK_SIZE)} blocks, "
+        f"{args.device_blocks or args.device_docs * -(-args.doc_tokens // BLOCK_SIZE)} "
+        "blocks, "
         f"host tier {args.host_docs} documents; repeat order {args.repeat_mode}; "
         f"{args.pairs} pairs of fresh engines, started alternately"
     )
     argv = [
-        "--model", model, "--docs", *map(str, args.docs), "--doc-tokens", str(args.doc_tokens),
-        "--device-docs", str(args.device_docs), "--device-blocks", str(args.device_blocks),
+        "--model", model, "--docs", *map(str, args.docs),
+        "--doc-tokens", str(args.doc_tokens), "--device-docs", str(args.device_docs),
+        "--device-blocks", str(args.device_blocks),
         "--host-docs", str(args.host_docs), "--max-tokens", str(args.max_tokens),
         "--repeat-mode", args.repeat_mode, "--no-reuse-docs", str(args.no_reuse_docs),
         *(["--quick"] if args.quick else []),
@@ -355,13 +429,23 @@ def main() -> None:
         for arm in order:
             t0 = time.perf_counter()
             pair[arm] = _spawn_arm(arm, argv)
-            print(f"pair {i + 1}: {arm} done in {time.perf_counter() - t0:.0f} s", flush=True)
+            print(
+                f"pair {i + 1}: {arm} done in {time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
         pairs.append(pair)
     summary = summarize(pairs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
-        json.dumps({"args": vars(args), "model": asdict(shape), "summary": summary, "pairs": pairs})
+        json.dumps(
+            {
+                "args": vars(args),
+                "model": asdict(shape),
+                "summary": summary,
+                "pairs": pairs,
+            }
+        )
     )
     print(f"json: {out}")
     _plot(summary, out.with_suffix(".png"))

@@ -35,12 +35,17 @@ RESULTS = REPO / "benchmarks" / "results"
 
 def make_chains(count: int, length: int, salt: str) -> list[list[BlockKey]]:
     return [
-        [(0, hashlib.sha256(f"{salt}/{c}/{i}".encode()).digest()) for i in range(length)]
+        [
+            (0, hashlib.sha256(f"{salt}/{c}/{i}".encode()).digest())
+            for i in range(length)
+        ]
         for c in range(count)
     ]
 
 
-def per_block_us(run: Callable[[list[BlockKey]], None], chains: list[list[BlockKey]]) -> float:
+def per_block_us(
+    run: Callable[[list[BlockKey]], None], chains: list[list[BlockKey]]
+) -> float:
     blocks = sum(map(len, chains))
     start = time.perf_counter()
     for chain in chains:
@@ -48,7 +53,9 @@ def per_block_us(run: Callable[[list[BlockKey]], None], chains: list[list[BlockK
     return (time.perf_counter() - start) / blocks * 1e6
 
 
-def bench_policy(name: str, num_blocks: int, length: int, rounds: int) -> dict[str, float]:
+def bench_policy(
+    name: str, num_blocks: int, length: int, rounds: int
+) -> dict[str, float]:
     pool = HostBlockPool(num_blocks, make_policy(name, num_blocks), record_events=False)
     chains_held = make_chains(num_blocks // length // 2, length, f"{name}/held")
 
@@ -89,12 +96,15 @@ def main() -> None:
     args = parser.parse_args()
 
     columns = ["lookup", "load", "store", "store+evict", "evict", "lookup+store+evict"]
-    print(f"pool of {args.blocks} blocks, chains of {args.chain}; microseconds per block")
+    print(
+        f"pool of {args.blocks} blocks, chains of {args.chain}; microseconds per block"
+    )
     print(f"{'policy':<14}" + "".join(f"{c:>20}" for c in columns))
     rows = []
     for name in POLICY_NAMES:
         runs = [
-            bench_policy(name, args.blocks, args.chain, args.rounds) for _ in range(args.repeat)
+            bench_policy(name, args.blocks, args.chain, args.rounds)
+            for _ in range(args.repeat)
         ]
         best = {c: min(r[c] for r in runs) for c in columns}
         rows.append({"policy": name, **best})

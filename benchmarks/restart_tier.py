@@ -1,14 +1,16 @@
-"""Restarts with `--swap-space-path`: start-up time and time to first token after a restart.
+"""Restarts with `--swap-space-path`: start-up time and time to first token after a
+restart.
 
 Two figures, both on the CPU platform:
 
-1. Start-up cost of a full tier of N GiB, without the engine: mapping the worker's data file
-   and reading the index into the host pool, for a tier written by an earlier process
-   (every record valid), against a new tier (file created, space reserved and backed).
-2. Time to first token of each document's first read after a restart (the tier was filled
-   by an earlier engine, then the engine exited), against a cold start (the same flags and
-   an empty tier directory). Fresh engine processes, arms alternated in each pair, median
-   of the pairs with their range; greedy outputs of both arms compared.
+1. Start-up cost of a full tier of N GiB, without the engine: mapping the worker's data
+   file and reading the index into the host pool, for a tier written by an earlier
+   process (every record valid), against a new tier (file created, space reserved and
+   backed).
+2. Time to first token of each document's first read after a restart (the tier was
+   filled by an earlier engine, then the engine exited), against a cold start (the same
+   flags and an empty tier directory). Fresh engine processes, arms alternated in each
+   pair, median of the pairs with their range; greedy outputs of both arms compared.
 
     python benchmarks/restart_tier.py [--pairs 3] [--docs 8] [--doc-tokens 1500]
         [--sizes-gib 1 4] [--dir /dev/shm/restart-bench]
@@ -36,7 +38,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 
 def startup_components(path: Path, gib: float, block_bytes: int) -> dict[str, float]:
-    """Seconds to open a new tier of `gib` GiB and to reopen it full, without an engine."""
+    """Seconds to open a new tier of `gib` GiB and to reopen it full, without an
+    engine."""
     from vllm_cpu_offload.persist.block_index import BlockIndex
     from vllm_cpu_offload.persist.data_file import TierDataFile
     from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
@@ -109,11 +112,15 @@ def engine_run(args: argparse.Namespace) -> None:
     init_s = time.perf_counter() - start
     rng = random.Random(7)
     docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
+    )
     reads = []
     for doc in docs:
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False)[0]
+        out = llm.generate(
+            [TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False
+        )[0]
         reads.append(
             {
                 "seconds": time.perf_counter() - start,
@@ -127,7 +134,8 @@ def engine_run(args: argparse.Namespace) -> None:
 
 def run_engine(tier: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [
-        sys.executable, "-m", "benchmarks.restart_tier", "--engine-run", "--tier", str(tier),
+        sys.executable, "-m", "benchmarks.restart_tier", "--engine-run",
+        "--tier", str(tier),
         "--docs", str(args.docs), "--doc-tokens", str(args.doc_tokens),
         "--max-tokens", str(args.max_tokens),
     ]  # fmt: skip
@@ -151,19 +159,28 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--sizes-gib", type=float, nargs="*", default=[1.0, 4.0])
-    parser.add_argument("--block-bytes", type=int, default=2 << 20, help="Llama-3-8B's 16 tokens")
-    parser.add_argument("--dir", default=None, help="where tiers go (default: /dev/shm)")
+    parser.add_argument(
+        "--block-bytes", type=int, default=2 << 20, help="Llama-3-8B's 16 tokens"
+    )
+    parser.add_argument(
+        "--dir", default=None, help="where tiers go (default: /dev/shm)"
+    )
     args = parser.parse_args()
     if args.engine_run:
         engine_run(args)
         return
     root = Path(args.dir or tempfile.mkdtemp(prefix="restart-bench-", dir="/dev/shm"))
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    startup = [startup_components(root / "synthetic", g, args.block_bytes) for g in args.sizes_gib]
+    startup = [
+        startup_components(root / "synthetic", g, args.block_bytes)
+        for g in args.sizes_gib
+    ]
     for row in startup:
         print(
-            f"tier {row['gib']:g} GiB ({row['blocks']} blocks): new: map {row['new_map_s']:.3f} s"
-            f", index {row['new_index_s']:.3f} s; full: map {row['full_map_s']:.3f} s, index "
+            f"tier {row['gib']:g} GiB ({row['blocks']} blocks): new: map "
+            f"{row['new_map_s']:.3f} s"
+            f", index {row['new_index_s']:.3f} s; full: map {row['full_map_s']:.3f} s, "
+            "index "
             f"and restore {row['full_index_and_restore_s']:.3f} s"
         )
     arms: dict[str, list[dict[str, Any]]] = {"restart": [], "cold": []}
@@ -175,7 +192,9 @@ def main() -> None:
             tier = warm if arm == "restart" else root / f"cold-{pair}"
             arms[arm].append(run_engine(tier, args))
             shutil.rmtree(tier, ignore_errors=True)
-    outputs = [[r["tokens"] for r in run["reads"]] for runs in arms.values() for run in runs]
+    outputs = [
+        [r["tokens"] for r in run["reads"]] for runs in arms.values() for run in runs
+    ]
     exact = all(out == outputs[0] for out in outputs)
     summary: dict[str, Any] = {"startup_components": startup, "outputs_equal": exact}
     for arm, runs in arms.items():
@@ -189,7 +208,8 @@ def main() -> None:
         init = summary[arm]["init_s"]["median"]
         print(
             f"{arm:8s} first read TTFT {statistics.median(ttft) * 1e3:.0f} ms "
-            f"({min(ttft) * 1e3:.0f}-{max(ttft) * 1e3:.0f}), engine start {init:.1f} s, "
+            f"({min(ttft) * 1e3:.0f}-{max(ttft) * 1e3:.0f}), engine start {init:.1f} "
+            "s, "
             f"cached tokens {statistics.median(cached):.0f}"
         )
     ratios = [
@@ -198,8 +218,10 @@ def main() -> None:
         for cold, warm in zip(arms["cold"], arms["restart"], strict=True)
     ]
     summary["ttft_speedup"] = spread(ratios)
-    print(f"first read after a restart {statistics.median(ratios):.2f}x faster "
-          f"({min(ratios):.2f}-{max(ratios):.2f}); greedy outputs equal: {exact}")
+    print(
+        f"first read after a restart {statistics.median(ratios):.2f}x faster "
+        f"({min(ratios):.2f}-{max(ratios):.2f}); greedy outputs equal: {exact}"
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "restart_tier_cpu.json").write_text(json.dumps(summary, indent=2) + "\n")
     shutil.rmtree(root, ignore_errors=True)

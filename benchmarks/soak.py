@@ -1,32 +1,35 @@
-"""Soak: thousands of requests against a real `--enable-cpu-offload` server; does memory stay put?
+"""Soak: thousands of requests against a real `--enable-cpu-offload` server; does memory
+stay put?
 
-Starts `python -m vllm.entrypoints.openai.api_server` with the locally generated model, a
-small device cache and a small host tier (so that both evict all the time), then sends
-`--requests` completions from `--concurrency` simulated users through the `openai` client.
-Each user holds multi-turn conversations over a set of shared documents (popular documents
-come back more often), and now and then sends a prompt nobody shares, a stream it closes
-after two chunks, or a request it abandons on a timeout. Every `--report-every` seconds it
-prints a row: elapsed seconds, requests done, the resident memory (RSS, MiB) of the API
-server, the engine core (scheduler half of the host tier) and each worker (host buffer and
-copies), the host tier's usage and its hit, stored and evicted counters from /metrics.
+Starts `python -m vllm.entrypoints.openai.api_server` with the locally generated model,
+a small device cache and a small host tier (so that both evict all the time), then sends
+`--requests` completions from `--concurrency` simulated users through the `openai`
+client. Each user holds multi-turn conversations over a set of shared documents (popular
+documents come back more often), and now and then sends a prompt nobody shares, a stream
+it closes after two chunks, or a request it abandons on a timeout. Every
+`--report-every` seconds it prints a row: elapsed seconds, requests done, the resident
+memory (RSS, MiB) of the API server, the engine core (scheduler half of the host tier)
+and each worker (host buffer and copies), the host tier's usage and its hit, stored and
+evicted counters from /metrics.
 
-At the end it says whether RSS stayed bounded, per process, from "warm" (the first quarter
-of requests done and the host tier full, so its pages are all touched) to the end. vLLM's
-CPU worker grows by itself, without the plugin too (allocator and per-shape caches; the
-growth slows over thousands of requests), so by default the same workload then runs on
-vLLM alone, and the verdict is that no process grew over the last quarter of the requests
-more than `--margin-mib` beyond vLLM's own growth over the same requests, nor ended more than
-`--margin-mib` above vLLM alone (a leak grows with the requests served; a cache that fills
-later, at a lower level, does not). `--no-reference` skips that run and judges the growth
-against `--max-growth-pct` instead. Exit status 1 when RSS was not bounded, a request
-failed, a transfer failed or requests were left running.
+At the end it says whether RSS stayed bounded, per process, from "warm" (the first
+quarter of requests done and the host tier full, so its pages are all touched) to the
+end. vLLM's CPU worker grows by itself, without the plugin too (allocator and per-shape
+caches; the growth slows over thousands of requests), so by default the same workload
+then runs on vLLM alone, and the verdict is that no process grew over the last quarter
+of the requests more than `--margin-mib` beyond vLLM's own growth over the same
+requests, nor ended more than `--margin-mib` above vLLM alone (a leak grows with the
+requests served; a cache that fills later, at a lower level, does not). `--no-reference`
+skips that run and judges the growth against `--max-growth-pct` instead. Exit status 1
+when RSS was not bounded, a request failed, a transfer failed or requests were left
+running.
 
-    .venv/bin/python benchmarks/soak.py                     # 3000 requests + reference, ~6 min
-    .venv/bin/python benchmarks/soak.py --requests 1500     # ~3 min on 2 cores
-    .venv/bin/python benchmarks/soak.py --no-reference      # the offload server only
+    .venv/bin/python benchmarks/soak.py # 3000 requests + reference, ~6 min
+    .venv/bin/python benchmarks/soak.py --requests 1500 # ~3 min on 2 cores
+    .venv/bin/python benchmarks/soak.py --no-reference # the offload server only
 
-Writes benchmarks/results/soak.json (rows and summaries of both runs) and the server logs
-beside it.
+Writes benchmarks/results/soak.json (rows and summaries of both runs) and the server
+logs beside it.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ BLOCK_SIZE = 32
 OFFLOAD = "vllm:cpu_offload_"
 
 
-# --- a minimal server launcher (the tests have their own; benchmarks import nothing from them)
+# --- a minimal server launcher (the tests have their own; benchmarks import nothing
+# from them)
 
 
 def _free_port() -> int:
@@ -69,11 +73,19 @@ def _free_port() -> int:
 class Server:
     """`python -m vllm.entrypoints.openai.api_server` on a free loopback port."""
 
-    def __init__(self, model: str, flags: list[str], log_path: Path, env: dict[str, str]):
+    def __init__(
+        self, model: str, flags: list[str], log_path: Path, env: dict[str, str]
+    ):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+        ]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *flags]
         full_env = dict(os.environ)
         full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # run as users run it
@@ -83,23 +95,33 @@ class Server:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
         )
 
     def wait_healthy(self, timeout_s: float = 240.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}:\n{self.tail()}"
+                )
             with suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             time.sleep(1)
-        raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{self.tail()}")
+        raise RuntimeError(
+            f"server not healthy after {timeout_s:.0f} s:\n{self.tail()}"
+        )
 
     def tail(self, lines: int = 30) -> str:
         self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(
+            self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -118,8 +140,9 @@ class Server:
 def process_rss_mib(pid: int) -> dict[str, float]:
     """RSS of the server and its descendants, keyed by role.
 
-    vLLM titles its processes `VLLM::EngineCore`, `VLLM::Worker` (`VLLM::Worker_TP0`, ...);
-    the API server is the process we started. Helpers (resource tracker) are left out.
+    vLLM titles its processes `VLLM::EngineCore`, `VLLM::Worker` (`VLLM::Worker_TP0`,
+    ...); the API server is the process we started. Helpers (resource tracker) are left
+    out.
     """
     out: dict[str, float] = {}
     try:
@@ -222,7 +245,8 @@ class User:
 
     def side_prompt(self) -> str:
         doc = self.rng.choice(self.docs)
-        return f"{doc} {random_words(self.rng, self.rng.randint(*self.mix.question_words))}"
+        words = self.rng.randint(*self.mix.question_words)
+        return f"{doc} {random_words(self.rng, words)}"
 
 
 async def run_user(
@@ -236,7 +260,9 @@ async def run_user(
     ticket: list[int],
 ) -> None:
     mix = user.mix
-    greedy: dict[str, Any] = dict(model=model, temperature=0.0, extra_body={"ignore_eos": True})
+    greedy: dict[str, Any] = dict(
+        model=model, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     while ticket[0] < total:
         ticket[0] += 1
         kind = user.next_kind()
@@ -244,7 +270,10 @@ async def run_user(
         try:
             if kind == "closed_stream":
                 stream = await client.completions.create(
-                    prompt=user.side_prompt(), max_tokens=mix.long_tokens, stream=True, **greedy
+                    prompt=user.side_prompt(),
+                    max_tokens=mix.long_tokens,
+                    stream=True,
+                    **greedy,
                 )
                 chunks = 0
                 async for _ in stream:
@@ -276,11 +305,15 @@ async def run_user(
                 if reply.usage is not None:
                     counts.prompt_tokens += reply.usage.prompt_tokens
                     details = reply.usage.prompt_tokens_details
-                    counts.cached_tokens += (details.cached_tokens or 0) if details else 0
+                    counts.cached_tokens += (
+                        (details.cached_tokens or 0) if details else 0
+                    )
         except openai.OpenAIError as e:
             counts.errors += 1
             if len(counts.error_samples) < 5:
-                counts.error_samples.append(f"user {index} {kind}: {type(e).__name__}: {e}")
+                counts.error_samples.append(
+                    f"user {index} {kind}: {type(e).__name__}: {e}"
+                )
         counts.done += 1
 
 
@@ -288,11 +321,14 @@ async def run_user(
 
 COLUMNS = (
     "elapsed_s", "done", "api_server_mib", "engine_core_mib", "workers_mib",
-    "host_usage_pct", "hit_tokens", "stored_blocks", "evicted_blocks", "failed_transfers",
+    "host_usage_pct", "hit_tokens", "stored_blocks", "evicted_blocks",
+    "failed_transfers",
 )  # fmt: skip
 
 
-def make_row(start: float, counts: Counts, rss: dict[str, float], m: dict[str, float]) -> dict:
+def make_row(
+    start: float, counts: Counts, rss: dict[str, float], m: dict[str, float]
+) -> dict:
     workers = {k: round(v, 1) for k, v in rss.items() if k.startswith("worker")}
     return {
         "elapsed_s": round(time.monotonic() - start, 1),
@@ -314,7 +350,8 @@ def print_row(row: dict) -> None:
     print(
         f"{row['elapsed_s']:>8.1f} {row['done']:>6d} {row['api_server_mib']:>8.0f} "
         f"{row['engine_core_mib']:>8.0f}  {workers:<20s} {row['host_usage_pct']:>6.1f} "
-        f"{row['hit_tokens']:>10d} {row['stored_blocks']:>8d} {row['evicted_blocks']:>8d} "
+        f"{row['hit_tokens']:>10d} {row['stored_blocks']:>8d} "
+        f"{row['evicted_blocks']:>8d} "
         f"{row['failed_transfers']:>6d}",
         flush=True,
     )
@@ -322,7 +359,8 @@ def print_row(row: dict) -> None:
 
 def print_header() -> None:
     print(
-        f"{'elapsed':>8s} {'done':>6s} {'api MiB':>8s} {'core MiB':>8s}  {'worker MiB':<20s} "
+        f"{'elapsed':>8s} {'done':>6s} {'api MiB':>8s} {'core MiB':>8s}  "
+        f"{'worker MiB':<20s} "
         f"{'host%':>6s} {'hit tok':>10s} {'stored':>8s} {'evicted':>8s} {'failed':>6s}",
         flush=True,
     )
@@ -353,14 +391,16 @@ def summarize(
 ) -> dict[str, Any]:
     """RSS once warm vs at the end, per process.
 
-    Warm: the first quarter of requests is done and the host tier has filled up (its pages
-    are touched as blocks arrive, so a filling tier grows the workers' RSS by design).
-    `warm_done` instead sets warm at that many requests done, RSS interpolated between rows
-    (to line a reference run up with the offload run).
+    Warm: the first quarter of requests is done and the host tier has filled up (its
+    pages are touched as blocks arrive, so a filling tier grows the workers' RSS by
+    design). `warm_done` instead sets warm at that many requests done, RSS interpolated
+    between rows (to line a reference run up with the offload run).
     """
     if warm_done is None:
         quarter = next((i for i, r in enumerate(rows) if r["done"] >= total / 4), 0)
-        full = next((i for i, r in enumerate(rows) if r["host_usage_pct"] >= 95.0), quarter)
+        full = next(
+            (i for i, r in enumerate(rows) if r["host_usage_pct"] >= 95.0), quarter
+        )
         warm_done = rows[max(quarter, full)]["done"]
     done = [r["done"] for r in rows]
     out: dict[str, Any] = {"warm_done": warm_done, "processes": {}}
@@ -390,14 +430,19 @@ async def soak(
 ) -> dict[str, Any]:
     mix = Mix(documents=args.documents)
     rng = random.Random(args.seed)
-    docs = [random_words(rng, rng.randint(*mix.doc_words)) for _ in range(mix.documents)]
+    docs = [
+        random_words(rng, rng.randint(*mix.doc_words)) for _ in range(mix.documents)
+    ]
     counts = Counts()
     ticket = [0]
     client = openai.AsyncOpenAI(
         base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300.0
     )
     impatient = openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=mix.abandon_after_s
+        base_url=f"{server.url}/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=mix.abandon_after_s,
     )
     rows: list[dict] = []
     start = time.monotonic()
@@ -450,7 +495,9 @@ async def soak(
             "waiting": final.get("vllm:num_requests_waiting"),
             "kv_cache_usage_perc": final.get("vllm:kv_cache_usage_perc"),
         },
-        "final_offload_metrics": {k: v for k, v in final.items() if k.startswith(OFFLOAD)},
+        "final_offload_metrics": {
+            k: v for k, v in final.items() if k.startswith(OFFLOAD)
+        },
     }
     return {"rows": rows, "summary": summary}
 
@@ -477,7 +524,10 @@ def run_once(
     flags = server_flags(args, offload)
     name = args.out.stem + ("" if offload else "_reference")
     log_path = args.out.with_name(name + "_server.log")
-    print(f"\n{'with' if offload else 'WITHOUT'} --enable-cpu-offload; server log: {log_path}")
+    print(
+        f"\n{'with' if offload else 'WITHOUT'} --enable-cpu-offload; server log: "
+        f"{log_path}"
+    )
     server = Server(model, flags, log_path, env={})
     try:
         server.wait_healthy()
@@ -487,18 +537,22 @@ def run_once(
     result["server_flags"] = flags
     s = result["summary"]
     print(
-        f"{s['counts']['done']} requests in {s['elapsed_s']} s ({s['requests_per_s']} /s): "
-        f"{s['counts']['completed']} completed, {s['counts']['closed_streams']} streams closed, "
+        f"{s['counts']['done']} requests in {s['elapsed_s']} s ({s['requests_per_s']} "
+        "/s): "
+        f"{s['counts']['completed']} completed, {s['counts']['closed_streams']} "
+        "streams closed, "
         f"{s['counts']['abandoned']} abandoned, {s['counts']['errors']} errors"
     )
     for sample in s["counts"]["error_samples"]:
         print(f"  error: {sample}")
     print(
-        f"RSS (MiB) at start / warm (after {s['warm_done']} requests) / at the end / max, growth:"
+        f"RSS (MiB) at start / warm (after {s['warm_done']} requests) / at the end / "
+        "max, growth:"
     )
     for proc, p in s["processes"].items():
         print(
-            f"  {proc:<12s} {p['start_mib']:8.0f} {p['warm_mib']:8.0f} {p['end_mib']:8.0f} "
+            f"  {proc:<12s} {p['start_mib']:8.0f} {p['warm_mib']:8.0f} "
+            f"{p['end_mib']:8.0f} "
             f"{p['max_mib']:8.0f}  {p['growth_mib']:+7.1f} MiB {p['growth_pct']:+6.1f}%"
         )
     print(f"idle after: {s['idle_after']}", flush=True)
@@ -509,8 +563,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--report-every", type=float, default=5.0, help="seconds between rows")
-    p.add_argument("--swap-space", type=float, default=0.02, help="host tier GiB (small: evicts)")
+    p.add_argument(
+        "--report-every", type=float, default=5.0, help="seconds between rows"
+    )
+    p.add_argument(
+        "--swap-space", type=float, default=0.02, help="host tier GiB (small: evicts)"
+    )
     p.add_argument("--device-blocks", type=int, default=48)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -535,13 +593,17 @@ def main() -> int:
 
     model = str(ensure_tiny_llama())
     result: dict[str, Any] = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        "config": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+        }
     }
     offload = run_once(args, model, offload=True)
     result["offload"] = offload
     s = offload["summary"]
     failed = s["final_offload_metrics"].get(OFFLOAD + "failed_transfers_total", 0)
-    idle = s["idle_after"]["running"] == 0 and s["idle_after"]["kv_cache_usage_perc"] == 0
+    idle = (
+        s["idle_after"]["running"] == 0 and s["idle_after"]["kv_cache_usage_perc"] == 0
+    )
     ok = s["counts"]["errors"] == 0 and failed == 0 and idle
     print(
         f"\nRSS bounded (growth < {args.max_growth_pct}% once warm, every process): "
@@ -555,22 +617,27 @@ def main() -> int:
         procs = [proc for proc in s["processes"] if proc in ref]
 
         def beyond(field: str) -> dict[str, float]:
-            return {p: round(s["processes"][p][field] - ref[p][field], 1) for p in procs}
+            return {
+                p: round(s["processes"][p][field] - ref[p][field], 1) for p in procs
+            }
 
         extra, above = beyond("growth_mib"), beyond("end_mib")
         tail = beyond("last_quarter_growth_mib")
         result["growth_beyond_vllm_mib"] = extra
         result["last_quarter_growth_beyond_vllm_mib"] = tail
         result["end_rss_above_vllm_mib"] = above
-        # Bounded: no growth with the requests served beyond vLLM's own (the last quarter),
-        # and no more resident memory than vLLM alone at the end. Growth since "warm" is
-        # shown too; it also counts how late each run reaches its plateau.
-        within = all(tail[p] < args.margin_mib and above[p] < args.margin_mib for p in procs)
+        # Bounded: no growth with the requests served beyond vLLM's own (the last
+        # quarter), and no more resident memory than vLLM alone at the end. Growth since
+        # "warm" is shown too; it also counts how late each run reaches its plateau.
+        within = all(
+            tail[p] < args.margin_mib and above[p] < args.margin_mib for p in procs
+        )
         print(
             f"\nRSS growth since warm beyond vLLM's own (MiB): {extra}"
             f"\nRSS growth over the last quarter beyond vLLM's own (MiB): {tail}"
             f"\nRSS at the end above vLLM alone (MiB): {above}"
-            f"\nbounded (last-quarter growth and end RSS within {args.margin_mib:g} MiB of "
+            f"\nbounded (last-quarter growth and end RSS within {args.margin_mib:g} "
+            "MiB of "
             f"vLLM alone, every process): {'yes' if within else 'NO'}"
         )
         ok &= within and reference["summary"]["counts"]["errors"] == 0

@@ -1,16 +1,19 @@
-"""Replays the conversation trace with an exclusive host tier: blocks stored when the device
-cache evicts them (write-back), not when computed (write-through, `trace_replay.py`).
+"""Replays the conversation trace with an exclusive host tier: blocks stored when the
+device cache evicts them (write-back), not when computed (write-through,
+`trace_replay.py`).
 
-A write-through host tier holds copies of the blocks the device cache still holds, so about
-`--gpu-blocks` of its capacity serve nothing. Storing on device eviction makes the two tiers
-exclusive. This measures what that is worth for our pool's policies, and checks the replay's
-Belady limit against one that counts only the uses the device cache misses.
+A write-through host tier holds copies of the blocks the device cache still holds, so
+about `--gpu-blocks` of its capacity serve nothing. Storing on device eviction makes the
+two tiers exclusive. This measures what that is worth for our pool's policies, and
+checks the replay's Belady limit against one that counts only the uses the device cache
+misses.
 
-Model: as in `trace_replay.py`, except that the host tier is offered, after each request,
-the blocks the device cache evicted while taking that request's blocks, ancestors first,
-grouped into runs of one chain. Host hits are loaded and kept. `--chain-links` passes each
-run's parent key, so that `prefix_aware` sees the chains (descendants reach the host before
-their ancestors: the device cache evicts chain tails first).
+Model: as in `trace_replay.py`, except that the host tier is offered, after each
+request, the blocks the device cache evicted while taking that request's blocks,
+ancestors first, grouped into runs of one chain. Host hits are loaded and kept.
+`--chain-links` passes each run's parent key, so that `prefix_aware` sees the chains
+(descendants reach the host before their ancestors: the device cache evicts chain tails
+first).
 
 Usage: python benchmarks/store_on_eviction.py [--host-blocks C ...] [--chain-links]
 """
@@ -30,7 +33,9 @@ from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
 from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
 
 
-def device_cache(trace: list[list[int]], capacity: int) -> tuple[list[int], list[list[int]]]:
+def device_cache(
+    trace: list[list[int]], capacity: int
+) -> tuple[list[int], list[list[int]]]:
     """Per request: the device hit, and the keys the LRU device cache evicted for it."""
     gpu = GpuPrefixCache(capacity)
     hits, evicted = [], []
@@ -41,7 +46,8 @@ def device_cache(trace: list[list[int]], capacity: int) -> tuple[list[int], list
 
 
 def chain_parents(trace: list[list[int]]) -> dict[int, int | None]:
-    """Each key's predecessor in the first request that holds it (None at a chain root)."""
+    """Each key's predecessor in the first request that holds it (None at a chain
+    root)."""
     parents: dict[int, int | None] = {}
     for keys in trace:
         for prev, key in zip([None, *keys], keys, strict=False):
@@ -77,7 +83,9 @@ def replay_on_eviction(
             held = [key for key in run if key in pool]
             if held:
                 pool.touch(held)
-            allocated = pool.allocate_for_store(run, parents[run[0]] if chain_links else None)
+            allocated = pool.allocate_for_store(
+                run, parents[run[0]] if chain_links else None
+            )
             pool.complete_store([key for key, _ in allocated], True)
     return host_hits
 
@@ -85,7 +93,9 @@ def replay_on_eviction(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-blocks", type=int, default=1000)
-    parser.add_argument("--host-blocks", type=int, nargs="+", default=[1000, 2000, 3000, 4000])
+    parser.add_argument(
+        "--host-blocks", type=int, nargs="+", default=[1000, 2000, 3000, 4000]
+    )
     parser.add_argument("--chain-links", action="store_true")
     args = parser.parse_args()
     trace = load_trace(None)
@@ -93,10 +103,15 @@ def main() -> None:
     parents = chain_parents(trace)
     misses = next_uses(trace, hits)
     print(f"device hits {sum(hits)}; host hits of each host tier:")
-    print(f"{'host C':>7} {'lru':>7} {'prefix_aware':>13} {'belady, device misses only':>27}")
+    print(
+        f"{'host C':>7} {'lru':>7} {'prefix_aware':>13} "
+        f"{'belady, device misses only':>27}"
+    )
     for capacity in args.host_blocks:
         row = [
-            replay_on_eviction(trace, hits, evicted, parents, p, capacity, args.chain_links)
+            replay_on_eviction(
+                trace, hits, evicted, parents, p, capacity, args.chain_links
+            )
             for p in ("lru", "prefix_aware")
         ]
         belady = BeladyTier(capacity, misses)

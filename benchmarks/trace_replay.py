@@ -1,24 +1,25 @@
 """Replays the Mooncake conversation trace through a GPU prefix cache and a host tier.
 
-Model: a GPU tier of G blocks with vLLM-like LRU prefix caching in front of a host tier of
-C blocks. Per request, in timestamp order:
+Model: a GPU tier of G blocks with vLLM-like LRU prefix caching in front of a host tier
+of C blocks. Per request, in timestamp order:
   1. GPU hit: the longest prefix of the request's blocks cached on the GPU (g blocks).
   2. Host hit: the longest run of READY host blocks right after it (h blocks); they are
      loaded (pinned, then unpinned), so they become GPU-cached too.
   3. The GPU-hit blocks are touched on the host tier (its copies were just used).
   4. Every block of the request the host does not hold is stored there (write-through);
-     held blocks are skipped. Then all the request's blocks become the GPU's most recent,
-     its first block last, so GPU eviction takes chain tails first.
-Only full blocks are cached, as in vLLM (the trace's last block of a request is partial).
-Blocks saved from prefill = g + h. Host tiers compared at equal capacity: our pool with
-`lru` and `prefix_aware`, vLLM 0.32's `CPUOffloadingManager` with `lru` and `arc` (driven
-through its own lookup/prepare_load/complete_load/touch/prepare_store/complete_store
-API), and two offline references: LRU that admits only blocks that will be used again
-("oracle-admit lru": perfect admission, no knowledge of when), and Belady's optimum for
-the host tier (evict the block used farthest in the future, decline to admit one used
-later than every held block; ties evict the deeper block) as the limit. Belady here knows
-every future use, including uses the GPU tier will serve, so it is a limit for the host
-tier, not an exact optimum of the two tiers together.
+     held blocks are skipped. Then all the request's blocks become the GPU's most
+     recent, its first block last, so GPU eviction takes chain tails first.
+Only full blocks are cached, as in vLLM (the trace's last block of a request is
+partial). Blocks saved from prefill = g + h. Host tiers compared at equal capacity: our
+pool with `lru` and `prefix_aware`, vLLM 0.32's `CPUOffloadingManager` with `lru` and
+`arc` (driven through its own
+lookup/prepare_load/complete_load/touch/prepare_store/complete_store API), and two
+offline references: LRU that admits only blocks that will be used again ("oracle-admit
+lru": perfect admission, no knowledge of when), and Belady's optimum for the host tier
+(evict the block used farthest in the future, decline to admit one used later than every
+held block; ties evict the deeper block) as the limit. Belady here knows every future
+use, including uses the GPU tier will serve, so it is a limit for the host tier, not an
+exact optimum of the two tiers together.
 
 Usage: /work/venv/bin/python benchmarks/trace_replay.py [--gpu-blocks G]
            [--host-blocks C ...] [--limit N] [--no-vllm]
@@ -58,7 +59,8 @@ class HostTier(Protocol):
 
 class GpuPrefixCache:
     """LRU prefix cache of `capacity` blocks, as vLLM's GPU block pool behaves for one
-    request at a time: a request's blocks are freed tail first, so evicted tail first."""
+    request at a time: a request's blocks are freed tail first, so evicted tail
+    first."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -73,7 +75,8 @@ class GpuPrefixCache:
         return n
 
     def finish(self, keys: Sequence[int]) -> list[int]:
-        """Makes `keys` the most recent; returns the keys evicted for them, oldest first."""
+        """Makes `keys` the most recent; returns the keys evicted for them, oldest
+        first."""
         lru = self._lru
         for key in reversed(keys):
             if key in lru:
@@ -88,7 +91,9 @@ class GpuPrefixCache:
 
 class OurTier:
     def __init__(self, policy: str, capacity: int) -> None:
-        self.pool = HostBlockPool(capacity, make_policy(policy, capacity), record_events=False)
+        self.pool = HostBlockPool(
+            capacity, make_policy(policy, capacity), record_events=False
+        )
 
     def serve(self, index: int, keys: Sequence[int], gpu_hits: int) -> int:
         pool = self.pool
@@ -105,7 +110,8 @@ class OurTier:
 
 
 class OracleAdmitLru(LRUPolicy):
-    """Reference, not a real policy: LRU that admits (when full) only blocks used again."""
+    """Reference, not a real policy: LRU that admits (when full) only blocks used
+    again."""
 
     reused: set[int] = set()
 
@@ -121,7 +127,9 @@ class OracleAdmitTier(OurTier):
 
     def serve(self, index: int, keys: Sequence[int], gpu_hits: int) -> int:
         nxt = self.next_use[index]
-        self.policy.reused = {key for key, use in zip(keys, nxt, strict=True) if use != NEVER}
+        self.policy.reused = {
+            key for key, use in zip(keys, nxt, strict=True) if use != NEVER
+        }
         return super().serve(index, keys, gpu_hits)
 
 
@@ -223,7 +231,9 @@ def load_trace(limit: int | None) -> list[list[int]]:
     return [r["hash_ids"][: r["input_length"] // BLOCK_TOKENS] for r in requests]
 
 
-def next_uses(trace: list[list[int]], device_hits: Sequence[int] | None = None) -> list[list[int]]:
+def next_uses(
+    trace: list[list[int]], device_hits: Sequence[int] | None = None
+) -> list[list[int]]:
     """next_use[i][j]: index of the next request after i that holds trace[i][j]; with
     `device_hits`, only requests that hold it past their device hit count."""
     upcoming: dict[int, int] = {}
@@ -280,7 +290,9 @@ def main() -> None:
     )
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's manager")
-    parser.add_argument("--policies", nargs="+", default=None, help="subset of tiers to run")
+    parser.add_argument(
+        "--policies", nargs="+", default=None, help="subset of tiers to run"
+    )
     args = parser.parse_args()
 
     trace = load_trace(args.limit)
@@ -298,7 +310,10 @@ def main() -> None:
         tiers = {name: make for name, make in tiers.items() if name in args.policies}
     baseline = "vllm lru" if "vllm lru" in tiers else "ours lru"
 
-    print(f"{len(trace)} requests, {total} blocks of 512 tokens, GPU tier {args.gpu_blocks} blocks")
+    print(
+        f"{len(trace)} requests, {total} blocks of 512 tokens, GPU tier "
+        f"{args.gpu_blocks} blocks"
+    )
     print(f"gap closed: share of the ({baseline} -> belady) gap in blocks saved")
     print(
         f"{'host C':>7} {'tier':<18} {'host hits':>9} {'saved':>7} {'saved %':>8}"
@@ -315,11 +330,15 @@ def main() -> None:
             gap = None
             if low is not None and high is not None and high != low:
                 gap = (result["saved"] - low) / (high - low)
-            rows.append({"host_blocks": capacity, "tier": name, "gap_closed": gap, **result})
+            rows.append(
+                {"host_blocks": capacity, "tier": name, "gap_closed": gap, **result}
+            )
             shown = f"{100 * gap:>9.1f}%" if gap is not None else f"{'-':>10}"
             print(
-                f"{capacity:>7} {name:<18} {result['host_hits']:>9} {result['saved']:>7}"
-                f" {100 * result['saved'] / total:>7.2f}% {shown} {result['seconds']:>6.1f}",
+                f"{capacity:>7} {name:<18} {result['host_hits']:>9} "
+                f"{result['saved']:>7}"
+                f" {100 * result['saved'] / total:>7.2f}% {shown} "
+                f"{result['seconds']:>6.1f}",
                 flush=True,
             )
     costs = pool_costs()
@@ -332,7 +351,9 @@ def main() -> None:
         "machine": platform.platform(),
         "python": platform.python_version(),
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "pool_costs_us": costs}, indent=1))
+    out.write_text(
+        json.dumps({"meta": meta, "rows": rows, "pool_costs_us": costs}, indent=1)
+    )
     print(f"wrote {out}")
 
 

@@ -1,32 +1,32 @@
 """GB/s of block-scattered KV copies between the device caches and the host buffer.
 
 For each cache shape, copies a batch of randomly scattered blocks (every layer) with:
-  ours       TransferEngine.copy_blocks with its default copier (CPU: stacked torch views)
-  dma        CUDA: the copy engines, one cudaMemcpyBatchAsync per launch (dma_copy.py)
-  triton     CUDA: the Triton kernels (copy_kernels.py)
-  staged-*   CUDA: whole blocks through device staging (staged_copy.py), gathered on the
+  ours TransferEngine.copy_blocks with its default copier (CPU: stacked torch views) dma
+  CUDA: the copy engines, one cudaMemcpyBatchAsync per launch (dma_copy.py) triton CUDA:
+  the Triton kernels (copy_kernels.py) staged-* CUDA: whole blocks through device
+  staging (staged_copy.py), gathered on the
              copy engines (staged-dma) or the kernels (staged-kernel)
   loop       a per-block, per-layer torch copy loop (the naive way)
   memcpy     one plain copy of the same bytes between two contiguous tensors (the limit;
              on CUDA pinned host <-> device, i.e. the DMA engine at PCIe speed)
-in both directions (store = device->host, load = host->device) and, on CUDA, both at once
-on two streams. On CUDA it also measures how much a matmul slows down while copies run
-beside it (on the CPU platform copies are synchronous with the forward: they add their time).
-Timing: methods interleave within each repetition (the machine may be shared); GB/s is the
-best repetition, `vs memcpy` the median over repetitions of (memcpy time / method time).
+in both directions (store = device->host, load = host->device) and, on CUDA, both at
+once on two streams. On CUDA it also measures how much a matmul slows down while copies
+run beside it (on the CPU platform copies are synchronous with the forward: they add
+their time). Timing: methods interleave within each repetition (the machine may be
+shared); GB/s is the best repetition, `vs memcpy` the median over repetitions of (memcpy
+time / method time).
 
 Layouts: `lbhnc` (all layers in one buffer, per layer [B, H, N, 2D]: the CPU backend's)
 and, on CUDA, `flash` (one tensor per layer, [2, B, N, H, D]: FlashAttention's, K and V
 apart). `--run-sweep` (CUDA) times DMA and Triton copies against the run length.
-`--in-vllm-worker` (CPU) runs the same measurement inside a real vLLM CPU worker, under its
-OpenMP binding (the worker's initial thread is pinned to one core), which is where the
-connector's copies run.
+`--in-vllm-worker` (CPU) runs the same measurement inside a real vLLM CPU worker, under
+its OpenMP binding (the worker's initial thread is pinned to one core), which is where
+the connector's copies run.
 
 Usage: python benchmarks/transfer.py [--shapes llama3-8b small] [--layouts lbhnc flash]
-           [--reps 7] [--threads N] [--sweep] [--run-sweep]   (sweeps: CUDA only)
-           [--staged-chunks 8 16]                             (CUDA only)
-           [--in-vllm-worker]                                 (CPU only)
-           [--host-runs 2 4 8]   host slots in runs of K (offload_block_size of K blocks)
+           [--reps 7] [--threads N] [--sweep] [--run-sweep] (sweeps: CUDA only)
+           [--staged-chunks 8 16] (CUDA only) [--in-vllm-worker] (CPU only) [--host-runs
+           2 4 8] host slots in runs of K (offload_block_size of K blocks)
 """
 
 from __future__ import annotations
@@ -92,7 +92,13 @@ def make_caches(
             caches[f"model.layers.{i}.self_attn.attn"] = t
         return caches
     raw = torch.empty(
-        (shape.layers, num_blocks, shape.kv_heads, shape.block_size, 2 * shape.head_dim),
+        (
+            shape.layers,
+            num_blocks,
+            shape.kv_heads,
+            shape.block_size,
+            2 * shape.head_dim,
+        ),
         dtype=shape.dtype,
         device=device,
     )
@@ -115,7 +121,10 @@ class Timer:
 
 
 def copiers(
-    caches: dict[str, torch.Tensor], host: HostBuffer, device: str, staged_chunks: list[int]
+    caches: dict[str, torch.Tensor],
+    host: HostBuffer,
+    device: str,
+    staged_chunks: list[int],
 ) -> dict[str, TransferEngine]:
     """The copy methods of this machine, each behind its own transfer engine."""
     if device != "cuda":
@@ -133,7 +142,9 @@ def copiers(
         for gather in GATHERS:
             name = f"staged-{gather}" + (f"-{chunk}" if len(staged_chunks) > 1 else "")
             try:
-                made[name] = StagedBlockCopier(caches, host, chunk_blocks=chunk, gather=gather)
+                made[name] = StagedBlockCopier(
+                    caches, host, chunk_blocks=chunk, gather=gather
+                )
             except RuntimeError as e:
                 print(f"no {name} copies: {e}")
     return {name: TransferEngine(caches, host, copier=c) for name, c in made.items()}
@@ -152,8 +163,8 @@ def bench_shape(
         d_ids = torch.randperm(args.device_blocks, generator=gen)[:n]
         h_ids = torch.randperm(args.host_blocks, generator=gen)[:n]
     elif pattern.startswith("host-runs-"):
-        # offload_block_size of k device blocks: device blocks scattered as vLLM allocates
-        # them, host slots in runs of k (one host block), the runs scattered.
+        # offload_block_size of k device blocks: device blocks scattered as vLLM
+        # allocates them, host slots in runs of k (one host block), the runs scattered.
         k = int(pattern.removeprefix("host-runs-"))
         d_ids = torch.randperm(args.device_blocks, generator=gen)[:n]
         units = torch.randperm(args.host_blocks // k, generator=gen)[: n // k]
@@ -240,7 +251,9 @@ def bench_shape(
                 "vs_memcpy": ratio,
             }
         )
-    if device == "cuda" and pattern == "scattered":  # on CPU copies never run beside compute
+    if (
+        device == "cuda" and pattern == "scattered"
+    ):  # on CPU copies never run beside compute
         copies = [m for m in (*engines, "memcpy")]
         rows += matmul_slowdown(label, methods, copies, timer, device)
         for row in queue_cost(engines, caches, n):
@@ -271,8 +284,8 @@ def matmul_slowdown(
 ) -> list[dict]:
     """Time of a matmul loop while each copy method runs beside it, over its time alone.
 
-    Median of 5 each. The copies queued beside it outlast the matmul loop, so every matmul
-    runs next to a copy.
+    Median of 5 each. The copies queued beside it outlast the matmul loop, so every
+    matmul runs next to a copy.
     """
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     iters = 50
@@ -301,14 +314,18 @@ def matmul_slowdown(
 
 
 def _beside(main: Callable[[], None], copy: Callable[[], None] | None) -> float:
-    """Seconds of `main` on the current stream (CUDA events) while copies run on another."""
+    """Seconds of `main` on the current stream (CUDA events) while copies run on
+    another."""
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     if copy is not None:
         with torch.cuda.stream(stream):
             for _ in range(8):  # queue enough copies to overlap the whole matmul loop
                 copy()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
     start.record()
     main()
     end.record()
@@ -318,7 +335,8 @@ def _beside(main: Callable[[], None], copy: Callable[[], None] | None) -> float:
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:
-    """CUDA only: GB/s of the Triton kernel over its launch constants, 8B shape, flash layout."""
+    """CUDA only: GB/s of the Triton kernel over its launch constants, 8B shape, flash
+    layout."""
     from vllm_cpu_offload.worker import copy_kernels
 
     rows = []
@@ -329,7 +347,11 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     d = torch.randperm(args.device_blocks)[:n].cuda()
     h = torch.randperm(args.host_blocks)[:n].cuda()
     timer = Timer("cuda")
-    defaults = copy_kernels.BLOCK_WORDS, copy_kernels.NUM_WARPS, copy_kernels.NUM_PROGRAMS
+    defaults = (
+        copy_kernels.BLOCK_WORDS,
+        copy_kernels.NUM_WARPS,
+        copy_kernels.NUM_PROGRAMS,
+    )
     for programs in (8, 16, 24, 32, 64, 132, 1024):
         for block_words, warps in ((512, 2), (1024, 4), (2048, 4), (2048, 8)):
             copy_kernels.BLOCK_WORDS, copy_kernels.NUM_WARPS = block_words, warps
@@ -337,7 +359,10 @@ def sweep(args: argparse.Namespace) -> list[dict]:
             copier = copy_kernels.TritonBlockCopier(caches, host)
             for to_host in (True, False):
                 timer(lambda: copier.copy(to_host, d, h))  # noqa: B023
-                best = min(timer(lambda: copier.copy(to_host, d, h)) for _ in range(args.reps))  # noqa: B023
+                best = min(
+                    timer(lambda: copier.copy(to_host, d, h))  # noqa: B023
+                    for _ in range(args.reps)
+                )
                 gbps = n * shape.layers * shape.page_bytes / best / 1e9
                 rows.append(
                     {
@@ -349,18 +374,21 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                     }
                 )
                 print(
-                    f"programs={programs:5d} BLOCK_WORDS={block_words:5d} num_warps={warps} "
+                    f"programs={programs:5d} BLOCK_WORDS={block_words:5d} "
+                    f"num_warps={warps} "
                     f"{rows[-1]['direction']:5s} {gbps:7.2f} GB/s"
                 )
-    copy_kernels.BLOCK_WORDS, copy_kernels.NUM_WARPS, copy_kernels.NUM_PROGRAMS = defaults
+    copy_kernels.BLOCK_WORDS, copy_kernels.NUM_WARPS, copy_kernels.NUM_PROGRAMS = (
+        defaults
+    )
     return rows
 
 
 def run_sweep(args: argparse.Namespace) -> list[dict]:
     """CUDA only: GB/s of DMA (1 to 16 streams) and Triton copies against run length.
 
-    256 scattered blocks of 8 layers, one tensor per layer and one run per block: the run
-    length is the block's size. This sets `transfer_engine.DMA_MIN_RUN_BYTES`.
+    256 scattered blocks of 8 layers, one tensor per layer and one run per block: the
+    run length is the block's size. This sets `transfer_engine.DMA_MIN_RUN_BYTES`.
     """
     from vllm_cpu_offload.worker import dma_copy
     from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
@@ -371,7 +399,9 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
     default_streams = dma_copy.NUM_STREAMS
     for run_bytes in (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10):
         caches = {
-            f"l{i}": torch.ones(blocks, run_bytes // 2, dtype=torch.bfloat16, device="cuda")
+            f"l{i}": torch.ones(
+                blocks, run_bytes // 2, dtype=torch.bfloat16, device="cuda"
+            )
             for i in range(layers)
         }
         host = HostBuffer.for_kv_caches(caches, blocks)
@@ -417,8 +447,8 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
 def queue_cost(
     engines: dict[str, TransferEngine], caches: dict[str, torch.Tensor], n: int
 ) -> list[dict]:
-    """CUDA: host microseconds to queue one layer's load of `n` blocks (the step's per-layer
-    loop), and a store of `n` blocks of every layer (the end of a step)."""
+    """CUDA: host microseconds to queue one layer's load of `n` blocks (the step's
+    per-layer loop), and a store of `n` blocks of every layer (the end of a step)."""
     rows = []
     d = torch.randperm(n)
     h = torch.randperm(n)
@@ -451,7 +481,8 @@ def queue_cost(
             }
         )
         print(
-            f"host time to queue {n} blocks, {name}: one layer's load {per_layer * 1e6:.0f} us, "
+            f"host time to queue {n} blocks, {name}: one layer's load "
+            f"{per_layer * 1e6:.0f} us, "
             f"a load of every layer {load * 1e6:.0f} us, a store of every layer "
             f"{store * 1e6:.0f} us"
         )
@@ -459,9 +490,10 @@ def queue_cost(
 
 
 def measure_in_vllm_worker(args: argparse.Namespace) -> tuple[dict, list[dict]]:
-    """(machine, rows) of the CPU measurement run inside the worker of a real vLLM engine
-    (the package's tiny model, offloading on) through `collective_rpc`."""
-    # collective_rpc sends a function by pickle only with this set; it stays on loopback.
+    """(machine, rows) of the CPU measurement run inside the worker of a real vLLM
+    engine (the package's tiny model, offloading on) through `collective_rpc`."""
+    # collective_rpc sends a function by pickle only with this set; it stays on
+    # loopback.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -500,7 +532,9 @@ def _measure_here(worker: object, options: dict) -> tuple[dict, list[dict]]:
     rows = []
     for name in args.shapes:
         for pattern in args.ids:
-            rows += transfer.bench_shape(transfer.SHAPES[name], args, "cpu", pattern, "lbhnc")
+            rows += transfer.bench_shape(
+                transfer.SHAPES[name], args, "cpu", pattern, "lbhnc"
+            )
     return info, rows
 
 
@@ -529,7 +563,8 @@ def _cpu_model() -> str:
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"{'shape':20s} {'ids':9s} {'dir':5s} {'method':20s} {'blocks':>6s} {'MiB':>6s} "
+        f"{'shape':20s} {'ids':9s} {'dir':5s} {'method':20s} {'blocks':>6s} "
+        f"{'MiB':>6s} "
         f"{'GB/s':>6s} {'vs memcpy':>9s}"
     )
     for r in rows:
@@ -547,7 +582,9 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument(
+        "--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES)
+    )
     parser.add_argument("--device-blocks", type=int, default=512)
     parser.add_argument("--host-blocks", type=int, default=512)
     parser.add_argument("--batch", type=int, default=128, help="blocks copied per call")
@@ -564,16 +601,27 @@ def main() -> None:
         nargs="*",
         type=int,
         default=[],
-        help="also host slots in runs of K (host blocks of K device blocks), device scattered",
+        help="also host slots in runs of K (host blocks of K device blocks), "
+        "device scattered",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--sweep", action="store_true", help="sweep Triton constants (CUDA)")
-    parser.add_argument("--run-sweep", action="store_true", help="DMA vs Triton by run length")
     parser.add_argument(
-        "--layouts", nargs="+", default=None, choices=["lbhnc", "flash"], help="CUDA only"
+        "--sweep", action="store_true", help="sweep Triton constants (CUDA)"
     )
     parser.add_argument(
-        "--in-vllm-worker", action="store_true", help="CPU: measure inside a vLLM worker"
+        "--run-sweep", action="store_true", help="DMA vs Triton by run length"
+    )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=None,
+        choices=["lbhnc", "flash"],
+        help="CUDA only",
+    )
+    parser.add_argument(
+        "--in-vllm-worker",
+        action="store_true",
+        help="CPU: measure inside a vLLM worker",
     )
     parser.add_argument(
         "--staged-chunks",

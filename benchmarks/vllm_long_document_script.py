@@ -1,10 +1,11 @@
 """vLLM's own benchmark_long_document_qa_throughput.py, with and without the two flags.
 
-The script comes from vLLM 0.32.0's source distribution (`scripts/fetch_vllm_sdist.sh`) and
-runs by plain python, as its users run it; the flags are appended to its command line. Arms
-alternate (A B, B A, ...) for `--pairs` pairs, each a fresh process with vLLM's default
-multiprocess engine (the same cores with and without the flag). The figure is the script's
-own "Time to execute all requests" of its measured phase (after its warm-up phase).
+The script comes from vLLM 0.32.0's source distribution (`scripts/fetch_vllm_sdist.sh`)
+and runs by plain python, as its users run it; the flags are appended to its command
+line. Arms alternate (A B, B A, ...) for `--pairs` pairs, each a fresh process with
+vLLM's default multiprocess engine (the same cores with and without the flag). The
+figure is the script's own "Time to execute all requests" of its measured phase (after
+its warm-up phase).
 
     python benchmarks/vllm_long_document_script.py            # 32 documents, 3 pairs
 
@@ -80,10 +81,16 @@ def main() -> None:
     ]  # fmt: skip
     arms = {
         "prefix-caching": base,
-        "cpu-offload": [*base, "--enable-cpu-offload", "--swap-space", f"{swap_gib:.6f}"],
+        "cpu-offload": [
+            *base,
+            "--enable-cpu-offload",
+            "--swap-space",
+            f"{swap_gib:.6f}",
+        ],
     }
     print(
-        f"vLLM's script, {args.docs} documents of {args.doc_tokens} tokens, device cache "
+        f"vLLM's script, {args.docs} documents of {args.doc_tokens} tokens, device "
+        "cache "
         f"{args.device_docs} documents, host tier {args.host_docs}; {args.pairs} pairs"
     )
     times: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -91,8 +98,13 @@ def main() -> None:
         order = list(arms) if i % 2 == 0 else list(arms)[::-1]
         for arm in order:
             times[arm].append(_run(arms[arm]))
-            print(f"pair {i + 1}: {arm} measured phase {times[arm][-1]:.2f} s", flush=True)
-    speedups = [b / o for b, o in zip(times["prefix-caching"], times["cpu-offload"], strict=True)]
+            print(
+                f"pair {i + 1}: {arm} measured phase {times[arm][-1]:.2f} s", flush=True
+            )
+    speedups = [
+        b / o
+        for b, o in zip(times["prefix-caching"], times["cpu-offload"], strict=True)
+    ]
     for arm, values in times.items():
         print(
             f"{arm:>15}: median {statistics.median(values):.2f} s "
@@ -104,7 +116,9 @@ def main() -> None:
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "vllm_long_document_script.json"
-    out.write_text(json.dumps({"args": vars(args), "seconds": times, "speedups": speedups}))
+    out.write_text(
+        json.dumps({"args": vars(args), "seconds": times, "speedups": speedups})
+    )
     print(f"json: {out}")
 
 

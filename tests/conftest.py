@@ -1,4 +1,5 @@
-"""Shared fixtures: the locally generated model and the engine settings every test uses."""
+"""Shared fixtures: the locally generated model and the engine settings every test
+uses."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Both routes end here: the `--enable-cpu-offload` / `--swap-space` flags and an explicit
 `--kv-transfer-config` that names our connector with its `kv_connector_extra_config`.
-Bad values raise `OffloadConfigError` (a `ValueError`) with a one-line message that names
-the fix. This module does not import vLLM.
+Bad values raise `OffloadConfigError` (a `ValueError`) with a one-line message that
+names the fix. This module does not import vLLM.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ GIB = 1 << 30
 
 
 def names_our_connector(kv_transfer_config: Any) -> bool:
-    """Whether a vLLM `kv_transfer_config` (or None) selects this package's connector."""
-    return kv_transfer_config is not None and kv_transfer_config.kv_connector == CONNECTOR_NAME
+    """Whether a vLLM `kv_transfer_config` (or None) selects this connector."""
+    return (
+        kv_transfer_config is not None
+        and kv_transfer_config.kv_connector == CONNECTOR_NAME
+    )
 
 
 class OffloadConfigError(ValueError):
@@ -48,14 +51,16 @@ class OffloadConfig:
 
     Attributes:
         swap_space_gib: host memory for offloaded KV blocks, per worker, in GiB.
-        eviction_policy: the host tier's eviction policy: a built-in name, an entry point
-            name, or a policy class by import path (scheduler/policies/registry.py).
+        eviction_policy: the host tier's eviction policy: a built-in name, an entry
+            point name, or a policy class by import path
+            (scheduler/policies/registry.py).
         copy_backend: how CUDA workers copy blocks (see `COPY_BACKENDS`).
-        offload_block_size: tokens per host block, a multiple of vLLM's block size (a host
-            block then holds that many device blocks); None: vLLM's block size.
-        swap_space_path: a directory where the host tier lives in memory-mapped files with
-            its index, so that a restarted engine serves the blocks (persist/); None: the
-            tier is anonymous memory, lost with the engine.
+        offload_block_size: tokens per host block, a multiple of vLLM's block size (a
+            host block then holds that many device blocks); None: vLLM's block size.
+        swap_space_path: a directory where the host tier lives in memory-mapped files
+            with its index, so that a restarted engine serves the blocks (persist/);
+            None: the tier is anonymous memory, lost with the engine.
+
     """
 
     swap_space_gib: float = DEFAULT_SWAP_SPACE_GIB
@@ -81,15 +86,17 @@ class OffloadConfig:
         return extra
 
     def blocks_per_host_block(self, block_size: int) -> int:
-        """Device blocks of `block_size` tokens in one host block; refuses a size that is
-        not a multiple of it."""
+        """Device blocks of `block_size` tokens in one host block; refuses a size that
+        is not a multiple of it."""
         size = self.offload_block_size
         if size is None or size == block_size:
             return 1
         if size % block_size:
             raise OffloadConfigError(
-                f"offload_block_size {size} is not a multiple of the block size {block_size}; "
-                f"set offload_block_size to a multiple of {block_size} (e.g. {2 * block_size})"
+                f"offload_block_size {size} is not a multiple of the block size "
+                f"{block_size}; "
+                f"set offload_block_size to a multiple of {block_size} (e.g. "
+                f"{2 * block_size})"
             )
         return size // block_size
 
@@ -107,7 +114,8 @@ class OffloadConfig:
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
             raise OffloadConfigError(
-                f"unknown key(s) {', '.join(map(repr, unknown))} in kv_connector_extra_config "
+                f"unknown key(s) {', '.join(map(repr, unknown))} in "
+                "kv_connector_extra_config "
                 f"of {CONNECTOR_NAME}; allowed keys: {', '.join(allowed)}"
             )
         swap = parse_swap_space(
@@ -116,16 +124,22 @@ class OffloadConfig:
         policy = extra.get("eviction_policy", DEFAULT_EVICTION_POLICY)
         from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
 
-        resolve_policy(policy)  # a bad name or class fails here, before the engine starts
+        resolve_policy(
+            policy
+        )  # a bad name or class fails here, before the engine starts
         backend = extra.get("copy_backend", DEFAULT_COPY_BACKEND)
         if backend not in COPY_BACKENDS:
             raise OffloadConfigError(
-                f"copy_backend {backend!r} is not known; choose one of: {', '.join(COPY_BACKENDS)}"
+                f"copy_backend {backend!r} is not known; choose one of: "
+                f"{', '.join(COPY_BACKENDS)}"
             )
         size = extra.get("offload_block_size")
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, int) or size < 1
+        ):
             raise OffloadConfigError(
-                f"offload_block_size must be a positive number of tokens, a multiple of the "
+                "offload_block_size must be a positive number of tokens, a multiple "
+                "of the "
                 f"block size (e.g. 64), got {size!r}"
             )
         path = extra.get("swap_space_path")
@@ -160,7 +174,8 @@ def parse_swap_space_path(value: object, name: str = "--swap-space-path") -> str
     the directory itself is checked by `persist.directory.check_tier_directory`."""
     if not isinstance(value, str) or not value.strip():
         raise OffloadConfigError(
-            f"{name} must be a directory path (e.g. {name} /dev/shm/vllm-kv), got {value!r}"
+            f"{name} must be a directory path (e.g. {name} /dev/shm/vllm-kv), got "
+            f"{value!r}"
         )
     return os.path.abspath(os.path.expanduser(value))
 
@@ -179,11 +194,14 @@ def check_fits_in_host_memory(config: OffloadConfig, num_workers: int = 1) -> No
     if config.swap_space_path is not None:
         from vllm_cpu_offload.persist.directory import check_tier_fits
 
-        check_tier_fits(config.swap_space_path, wanted, config.swap_space_gib, num_workers)
+        check_tier_fits(
+            config.swap_space_path, wanted, config.swap_space_gib, num_workers
+        )
         return
     available = available_host_memory_bytes()
     if wanted > available:
         raise OffloadConfigError(
-            f"--swap-space {config.swap_space_gib:g} GiB x {num_workers} worker(s) exceeds the "
+            f"--swap-space {config.swap_space_gib:g} GiB x {num_workers} worker(s) "
+            "exceeds the "
             f"{available / GIB:.1f} GiB of host memory available; lower --swap-space"
         )

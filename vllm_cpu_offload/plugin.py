@@ -1,7 +1,8 @@
 """The `vllm.general_plugins` entry point.
 
-vLLM calls `register()` in the API server before it builds its parser, in the engine core
-and in every worker, possibly more than once per process: each step here is idempotent.
+vLLM calls `register()` in the API server before it builds its parser, in the engine
+core and in every worker, possibly more than once per process: each step here is
+idempotent.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ _warned = False
 
 
 def register() -> None:
-    """Registers the connector, adds the two engine flags, keeps the model's cores as without.
+    """Registers the connector, adds the two engine flags, keeps the model's cores as
+    without.
 
-    On a vLLM release the package is not tested against it patches nothing and says so once
-    per process: vLLM then runs exactly as without the package, and the two flags are
-    unknown to it.
+    On a vLLM release the package is not tested against it patches nothing and says so
+    once per process: vLLM then runs exactly as without the package, and the two flags
+    are unknown to it.
     """
     global _warned
     import vllm
@@ -28,10 +30,14 @@ def register() -> None:
     reason = flags.unsupported_vllm(vllm.__version__)
     if reason is not None:
         if not _warned:
-            init_logger(__name__).warning("%s; --enable-cpu-offload is unavailable", reason)
+            init_logger(__name__).warning(
+                "%s; --enable-cpu-offload is unavailable", reason
+            )
             _warned = True
         return
     flags.apply()
     omp_cores.apply()
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+        KVConnectorFactory.register_connector(
+            CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME
+        )

@@ -1,9 +1,10 @@
 """Engines for the end-to-end tests: real vLLM on the CPU platform, in this process.
 
-The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that tests can read
-the connector's scheduler and worker halves directly; one engine per module keeps the suite
-inside CI's budget. The device KV cache is made small (num_gpu_blocks_override) so that
-blocks are evicted from it and must come back from host memory.
+The engine core runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that tests can
+read the connector's scheduler and worker halves directly; one engine per module keeps
+the suite inside CI's budget. The device KV cache is made small
+(num_gpu_blocks_override) so that blocks are evicted from it and must come back from
+host memory.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ MAX_MODEL_LEN = 512
 
 
 def script_result(module: str, *args: str, env: dict[str, str], timeout: float) -> Any:
-    """Runs `python -m module args` in a fresh process; returns the JSON of its RESULT line."""
+    """Runs `python -m module args` in a fresh process; returns the JSON of its RESULT
+    line."""
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
         capture_output=True,
@@ -42,7 +44,8 @@ def script_result(module: str, *args: str, env: dict[str, str], timeout: float) 
 
 
 def long_documents(model: str, *args: str) -> dict[str, Any]:
-    """Runs tests/e2e/long_document_run.py in a fresh process, the engine as users run it.
+    """Runs tests/e2e/long_document_run.py in a fresh process, the engine as users run
+    it.
 
     vLLM's default multiprocess engine, with vLLM's own binding of the worker's cores in
     every arm (no core variables of this environment are passed on).
@@ -51,11 +54,16 @@ def long_documents(model: str, *args: str) -> dict[str, Any]:
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
         env.pop(name, None)
-    return dict(script_result("tests.e2e.long_document_run", model, *args, env=env, timeout=400))
+    return dict(
+        script_result("tests.e2e.long_document_run", model, *args, env=env, timeout=400)
+    )
 
 
 def assert_exact_with_host_rereads(
-    without: dict[str, Any], with_flag: dict[str, Any], docs: int, min_cached_tokens: int
+    without: dict[str, Any],
+    with_flag: dict[str, Any],
+    docs: int,
+    min_cached_tokens: int,
 ) -> None:
     """Same greedy tokens in both runs; the second read of each document hit at least
     `min_cached_tokens` with the flag and nothing without it (the device cache is too

@@ -1,6 +1,8 @@
-"""Prints, as JSON, greedy tokens for fixed prompts and whether a KV connector is configured.
+"""Prints, as JSON, greedy tokens for fixed prompts and whether a KV connector is
+configured.
 
-Run as a script by tests that need vLLM in a fresh process (e.g. without the plugin loaded):
+Run as a script by tests that need vLLM in a fresh process (e.g. without the plugin
+loaded):
     python -m tests.e2e.generate_tokens MODEL
 """
 
@@ -16,7 +18,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def main(model: str) -> None:
-    # Nothing of vllm_cpu_offload is imported here: importing the package applies the plugin.
+    # Nothing of vllm_cpu_offload is imported here: importing the package applies the
+    # plugin.
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import has_kv_transfer_group
     from vllm.inputs import TokensPrompt

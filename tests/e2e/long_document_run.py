@@ -1,9 +1,10 @@
-"""Reads documents twice, one request at a time, on an engine run as users run it; prints JSON.
+"""Reads documents twice, one request at a time, on an engine run as users run it;
+prints JSON.
 
-The engine core and the worker run in their own processes (vLLM's default), so vLLM's CPU
-executor binds the worker's OpenMP threads exactly as it does for a user. The JSON holds the
-greedy tokens and cached-token counts of every request, and the worker's OpenMP threads and
-CPU binding, read inside the worker.
+The engine core and the worker run in their own processes (vLLM's default), so vLLM's
+CPU executor binds the worker's OpenMP threads exactly as it does for a user. The JSON
+holds the greedy tokens and cached-token counts of every request, and the worker's
+OpenMP threads and CPU binding, read inside the worker.
 
     python -m tests.e2e.long_document_run MODEL [--offload [--offload-block-size N]
         [--swap-space-path DIR]] [--dtype bfloat16] [--reads 2]
@@ -19,7 +20,8 @@ import sys
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# collective_rpc sends the probe below by pickle only with this set; it stays on loopback.
+# collective_rpc sends the probe below by pickle only with this set; it stays on
+# loopback.
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
 BLOCK_SIZE = 32
@@ -54,18 +56,24 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--offload-block-size", type=int, help="tokens per host block")
     parser.add_argument("--metrics", action="store_true", help="report vLLM's metrics")
-    parser.add_argument("--swap-space-path", help="keep the host tier in files in this directory")
-    parser.add_argument("--reads", type=int, default=2, help="times each document is read")
+    parser.add_argument(
+        "--swap-space-path", help="keep the host tier in files in this directory"
+    )
+    parser.add_argument(
+        "--reads", type=int, default=2, help="times each document is read"
+    )
     args = parser.parse_args()
 
-    # The flags work as LLM() keyword arguments with no import of the package by the script:
-    # the .pth hook applies the plugin when vLLM's arg_utils is imported.
+    # The flags work as LLM() keyword arguments with no import of the package by the
+    # script: the .pth hook applies the plugin when vLLM's arg_utils is imported.
     imported_at_start = "vllm_cpu_offload" in sys.modules
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     applied_by_vllm_import = "vllm_cpu_offload.flags" in sys.modules
-    flags: dict[str, Any] = dict(enable_cpu_offload=True, swap_space=0.05) if args.offload else {}
+    flags: dict[str, Any] = (
+        dict(enable_cpu_offload=True, swap_space=0.05) if args.offload else {}
+    )
     if args.swap_space_path:
         flags["swap_space_path"] = args.swap_space_path
     if args.offload_block_size:
@@ -91,12 +99,19 @@ def main() -> None:
 
     rng = random.Random(11)
     docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
+    )
     requests = []
     for doc in docs * args.reads:  # every document read `reads` times, one at a time
-        out = llm.generate([TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False)[0]
+        out = llm.generate(
+            [TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False
+        )[0]
         requests.append(
-            {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+            {
+                "tokens": list(out.outputs[0].token_ids),
+                "cached": out.num_cached_tokens or 0,
+            }
         )
     (threads,) = llm.collective_rpc(worker_threads)
     (groups,) = llm.collective_rpc(kv_cache_groups)

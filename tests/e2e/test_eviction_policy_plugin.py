@@ -1,4 +1,5 @@
-"""A user's eviction policy, named by import path, runs the host tier of a real engine."""
+"""A user's eviction policy, named by import path, runs the host tier of a real
+engine."""
 
 from __future__ import annotations
 
@@ -24,18 +25,25 @@ def test_policy_class_from_the_extra_config_serves_host_hits(tiny_model: str) ->
     ktc = KVTransferConfig(
         kv_connector="CPUOffloadConnector",
         kv_role="kv_both",
-        kv_connector_extra_config={"swap_space_gib": 0.01, "eviction_policy": FIFO_PATH},
+        kv_connector_extra_config={
+            "swap_space_gib": 0.01,
+            "eviction_policy": FIFO_PATH,
+        },
     )
     llm = make_llm(tiny_model, offload=False, kv_transfer_config=ktc)
     try:
         sched = scheduler_connector(llm).scheduler
         assert isinstance(sched.pool.policy, FIFOPolicy)
         rng = random.Random(5)
-        docs = [random_words(rng, 6 * BLOCK_SIZE + 3) for _ in range(5)]  # overflow the device
+        docs = [
+            random_words(rng, 6 * BLOCK_SIZE + 3) for _ in range(5)
+        ]  # overflow the device
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         for doc in docs + docs[:1]:
             llm.generate([doc], params, use_tqdm=False)
-        assert sched.stats.hit_tokens >= 6 * BLOCK_SIZE  # the re-read came from host memory
+        assert (
+            sched.stats.hit_tokens >= 6 * BLOCK_SIZE
+        )  # the re-read came from host memory
         assert sched.pool.policy.accesses > 0
     finally:
         shutdown(llm)

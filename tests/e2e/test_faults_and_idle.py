@@ -1,5 +1,5 @@
-"""End to end on real vLLM: injected transfer faults cost recomputes only; an idle engine
-holds no block for a store that is done."""
+"""End to end on real vLLM: injected transfer faults cost recomputes only; an idle
+engine holds no block for a store that is done."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def _read(llm: Any, prompt: list[int], max_tokens: int = 6) -> Any:
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    return llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False
+    )[0]
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +42,12 @@ def faulty_llm(tiny_model: str) -> Iterator[Any]:
     shutdown(llm)
 
 
-def test_failed_loads_and_stores_are_recomputed_with_exact_outputs(faulty_llm: Any) -> None:
-    # bf16, one request at a time: documents read twice while 40% of transfers fail. Every
-    # re-read equals its first read; failures are counted, some loads still succeed, and
-    # nothing is left pinned or in flight.
+def test_failed_loads_and_stores_are_recomputed_with_exact_outputs(
+    faulty_llm: Any,
+) -> None:
+    # bf16, one request at a time: documents read twice while 40% of transfers fail.
+    # Every re-read equals its first read; failures are counted, some loads still
+    # succeed, and nothing is left pinned or in flight.
     sched = scheduler_connector(faulty_llm).scheduler
     rng = random.Random(21)
     docs = [random_token_ids(rng, DOC_TOKENS) for _ in range(DOCS)]
@@ -58,8 +62,8 @@ def test_failed_loads_and_stores_are_recomputed_with_exact_outputs(faulty_llm: A
 
 def test_engine_going_idle_holds_no_block_for_a_finished_store(faulty_llm: Any) -> None:
     # One output token: the prompt's blocks are stored in the request's only step. When
-    # generate returns (the engine steps no more), vLLM holds no finished request and its
-    # device cache resets.
+    # generate returns (the engine steps no more), vLLM holds no finished request and
+    # its device cache resets.
     engine_core = faulty_llm.llm_engine.engine_core.engine_core
     for seed in range(3):
         _read(faulty_llm, random_token_ids(random.Random(100 + seed), DOC_TOKENS), 1)

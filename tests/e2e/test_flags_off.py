@@ -20,10 +20,15 @@ def _generate(model: str, plugins: str | None) -> dict:
 
 
 def test_flags_off_equals_vllm_without_the_plugin(tiny_model: str) -> None:
-    # Same prompts, greedy: plugin loaded with flags off vs the plugin not loaded at all.
+    # Same prompts, greedy: plugin loaded with flags off vs the plugin not loaded at
+    # all.
     with_plugin = _generate(tiny_model, plugins=None)
     without = _generate(tiny_model, plugins="no-such-plugin")
     assert with_plugin["plugin_loaded"] and not without["plugin_loaded"]
     assert with_plugin["tokens"] == without["tokens"]
-    assert len(with_plugin["tokens"]) == 3 and all(len(t) == 16 for t in with_plugin["tokens"])
-    assert not with_plugin["kv_transfer_config"] and not with_plugin["kv_transfer_group"]
+    assert len(with_plugin["tokens"]) == 3 and all(
+        len(t) == 16 for t in with_plugin["tokens"]
+    )
+    assert (
+        not with_plugin["kv_transfer_config"] and not with_plugin["kv_transfer_group"]
+    )

@@ -1,9 +1,11 @@
-"""A hybrid sliding-window model (Gemma-2 style) keeps vLLM's hybrid KV cache manager on.
+"""A hybrid sliding-window model (Gemma-2 style) keeps vLLM's hybrid KV cache manager
+on.
 
-The generated model alternates sliding-window layers (a 64-token window) with full-attention
-ones, so vLLM's hybrid manager makes two KV cache groups. With the flags it must stay on: the
-connector serves both groups, a sliding-window group loading only the blocks of its window.
-bf16, one request at a time, the engine as users run it, as in test_bf16_exact.
+The generated model alternates sliding-window layers (a 64-token window) with
+full-attention ones, so vLLM's hybrid manager makes two KV cache groups. With the flags
+it must stay on: the connector serves both groups, a sliding-window group loading only
+the blocks of its window. bf16, one request at a time, the engine as users run it, as in
+test_bf16_exact.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def _run(model: str, *flags: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs() -> tuple[dict[str, Any], dict[str, Any]]:
-    model = str(ensure_tiny_llama(dataclasses.replace(TEST_SHAPE, sliding_window=WINDOW)))
+    model = str(
+        ensure_tiny_llama(dataclasses.replace(TEST_SHAPE, sliding_window=WINDOW))
+    )
     return _run(model), _run(model, "--offload")
 
 
@@ -40,7 +44,10 @@ def test_hybrid_manager_stays_on_with_the_flags(
     runs: tuple[dict[str, Any], dict[str, Any]],
 ) -> None:
     without, with_flag = runs
-    assert sorted(without["kv_cache_groups"]) == ["FullAttentionSpec", "SlidingWindowSpec"]
+    assert sorted(without["kv_cache_groups"]) == [
+        "FullAttentionSpec",
+        "SlidingWindowSpec",
+    ]
     assert with_flag["kv_cache_groups"] == without["kv_cache_groups"]
 
 
@@ -64,11 +71,17 @@ def test_window_group_loads_only_its_window_per_group_metrics(
     full = with_flag["kv_cache_groups"].index("FullAttentionSpec")
     window = 1 - full
     metrics = with_flag["metrics"]
-    loaded = {g: metrics[f"vllm:cpu_offload_group_loaded_blocks{{{g}}}"] for g in (0, 1)}
-    stored = {g: metrics[f"vllm:cpu_offload_group_stored_blocks{{{g}}}"] for g in (0, 1)}
+    loaded = {
+        g: metrics[f"vllm:cpu_offload_group_loaded_blocks{{{g}}}"] for g in (0, 1)
+    }
+    stored = {
+        g: metrics[f"vllm:cpu_offload_group_stored_blocks{{{g}}}"] for g in (0, 1)
+    }
     full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE  # 9 per document
     assert stored[full] == stored[window] >= DOCS * full_blocks, stored
-    assert loaded[full] >= DOCS * full_blocks - full_blocks, loaded  # most re-reads from host
+    assert loaded[full] >= DOCS * full_blocks - full_blocks, (
+        loaded
+    )  # most re-reads from host
     window_blocks = WINDOW // BLOCK_SIZE + 1
     assert 0 < loaded[window] <= DOCS * window_blocks < loaded[full], loaded
     assert loaded[full] + loaded[window] == metrics["vllm:cpu_offload_loaded_blocks"]

@@ -1,4 +1,5 @@
-"""End to end on real vLLM (CPU platform): blocks evicted from the device come back from host.
+"""End to end on real vLLM (CPU platform): blocks evicted from the device come back from
+host.
 
 One engine with the flags on serves every scenario of this module, in order; a baseline
 engine without the flags (and without the plugin) gives the reference outputs.
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.e2e
 PROMPT_BLOCKS = 6  # 192 tokens: four such prompts overflow the 24-block device cache
 
 
-def _prompts(seed: int, count: int, blocks: int = PROMPT_BLOCKS, tail: int = 5) -> list[str]:
+def _prompts(
+    seed: int, count: int, blocks: int = PROMPT_BLOCKS, tail: int = 5
+) -> list[str]:
     from vllm_cpu_offload.testing.tiny_model import random_words
 
     rng = random.Random(seed)
@@ -43,7 +46,9 @@ def _tokens(outputs: list[Any]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def baseline_tokens(tiny_model: str) -> dict[str, list[int]]:
     """Greedy tokens of every prompt this module uses, from vLLM without the flags."""
-    llm = make_llm(tiny_model, offload=False, num_gpu_blocks_override=64, max_num_seqs=4)
+    llm = make_llm(
+        tiny_model, offload=False, num_gpu_blocks_override=64, max_num_seqs=4
+    )
     try:
         assert llm.llm_engine.vllm_config.kv_transfer_config is None
         prompts = _prompts(1, 6) + _prompts(2, 1, blocks=3)
@@ -62,7 +67,10 @@ def test_engine_starts_with_our_connector_on_both_sides(llm: Any) -> None:
     # The flags turn into our connector, in the scheduler and in the worker.
     from vllm_cpu_offload.connector import CPUOffloadConnector
 
-    assert llm.llm_engine.vllm_config.kv_transfer_config.kv_connector == "CPUOffloadConnector"
+    assert (
+        llm.llm_engine.vllm_config.kv_transfer_config.kv_connector
+        == "CPUOffloadConnector"
+    )
     sched = scheduler_connector(llm)
     worker = worker_connector()
     assert isinstance(sched, CPUOffloadConnector) and sched.scheduler is not None
@@ -74,7 +82,8 @@ def test_engine_starts_with_our_connector_on_both_sides(llm: Any) -> None:
 def test_evicted_prompt_comes_back_from_host_with_equal_outputs(
     llm: Any, baseline_tokens: dict[str, list[int]]
 ) -> None:
-    # Read A, flush it out of the device cache with B..E, read A again: A loads from host.
+    # Read A, flush it out of the device cache with B..E, read A again: A loads from
+    # host.
     sched = scheduler_connector(llm).scheduler
     a, *others = _prompts(1, 5)
     first = _run(llm, [a])
@@ -101,7 +110,8 @@ def test_no_request_state_or_pin_left_after_requests_finish(llm: Any) -> None:
 
 
 def test_reset_prefix_cache_empties_the_host_tier(llm: Any) -> None:
-    # reset_prefix_cache(reset_connector=True) drops every host block; the next read misses.
+    # reset_prefix_cache(reset_connector=True) drops every host block; the next read
+    # misses.
     sched = scheduler_connector(llm).scheduler
     prompt = _prompts(2, 1, blocks=3)[0]
     _run(llm, [prompt])

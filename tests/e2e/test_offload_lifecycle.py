@@ -1,9 +1,10 @@
 """End to end on real vLLM: conversations, preemption and aborts with the host tier on.
 
-These scenarios run requests together and compare with the same requests run alone. In bf16
-that comparison fails on vLLM's CPU path even without this package (measured: 2 of the 6
-preempted requests of the preemption scenario differ from their solo runs with the flags
-off), because a batch changes the kernels' reduction order; so this module runs in fp32.
+These scenarios run requests together and compare with the same requests run alone. In
+bf16 that comparison fails on vLLM's CPU path even without this package (measured: 2 of
+the 6 preempted requests of the preemption scenario differ from their solo runs with the
+flags off), because a batch changes the kernels' reduction order; so this module runs in
+fp32.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def offload_llm(tiny_model: str) -> Iterator[Any]:
-    llm = make_llm(tiny_model, offload=True, dtype="float32")  # batches: see the docstring
+    llm = make_llm(
+        tiny_model, offload=True, dtype="float32"
+    )  # batches: see the docstring
     yield llm
     shutdown(llm)
 
@@ -50,13 +53,17 @@ def _assert_idle(sched: Any) -> None:
     assert sched.pool.num_pinned == 0 and sched.pool.num_storing == 0
 
 
-def test_second_turn_hits_blocks_stored_during_first_turn_decode(offload_llm: Any) -> None:
+def test_second_turn_hits_blocks_stored_during_first_turn_decode(
+    offload_llm: Any,
+) -> None:
     # Turn 1 decodes past several block boundaries; after the device cache is flushed,
     # turn 2 (turn 1 + its answer + a question) loads the decode blocks from host too.
     sched = scheduler_connector(offload_llm).scheduler
     turn1 = _words(11, 2 * BLOCK_SIZE + 7)
     answer = list(
-        _generate(offload_llm, [turn1], max_tokens=3 * BLOCK_SIZE)[0].outputs[0].token_ids
+        _generate(offload_llm, [turn1], max_tokens=3 * BLOCK_SIZE)[0]
+        .outputs[0]
+        .token_ids
     )
     for seed in range(12, 16):
         _generate(offload_llm, [_words(seed, 6 * BLOCK_SIZE)], max_tokens=4)
@@ -65,7 +72,8 @@ def test_second_turn_hits_blocks_stored_during_first_turn_decode(offload_llm: An
     _generate(offload_llm, [turn2], max_tokens=4)
     loaded = sched.stats.hit_tokens - hits
     prompt_only = len(turn1) // BLOCK_SIZE * BLOCK_SIZE
-    # Every full block of turn 1 and its answer (except the last token's) comes from host.
+    # Every full block of turn 1 and its answer (except the last token's) comes from
+    # host.
     assert loaded > prompt_only
     assert loaded >= (len(turn1) + len(answer) - 1) // BLOCK_SIZE * BLOCK_SIZE
     _assert_idle(sched)
@@ -76,7 +84,10 @@ def test_preemption_under_memory_pressure_loses_nothing(offload_llm: Any) -> Non
     # resumes them; every one finishes with the tokens it gets when run alone.
     sched = scheduler_connector(offload_llm).scheduler
     prompts = [_words(100 + i, 3 * BLOCK_SIZE + 5) for i in range(6)]
-    alone = [_generate(offload_llm, [p], max_tokens=96)[0].outputs[0].token_ids for p in prompts]
+    alone = [
+        _generate(offload_llm, [p], max_tokens=96)[0].outputs[0].token_ids
+        for p in prompts
+    ]
     preemptions = sched.stats.preempted_requests
     together = _generate(offload_llm, prompts, max_tokens=96)
     assert sched.stats.preempted_requests > preemptions, "the scenario did not preempt"
@@ -105,19 +116,24 @@ def test_aborted_requests_leave_nothing_behind(offload_llm: Any) -> None:
     _assert_idle(sched)
     assert not sched._requests
     hits = sched.stats.hit_tokens
-    offload_llm.reset_prefix_cache()  # device only: the host tier must serve the next read
+    # Device only: the host tier must serve the next read.
+    offload_llm.reset_prefix_cache()
     _generate(offload_llm, [prompts[0] + _words(300, 5)], max_tokens=2)
     assert sched.stats.hit_tokens - hits >= 3 * BLOCK_SIZE
 
 
-def test_requests_sharing_a_prefix_load_it_once_without_waiting(offload_llm: Any) -> None:
-    # Two requests with one host-resident prefix arrive together: the first loads it within
-    # the step, the second finds it in the device cache; the prefix is loaded once.
+def test_requests_sharing_a_prefix_load_it_once_without_waiting(
+    offload_llm: Any,
+) -> None:
+    # Two requests with one host-resident prefix arrive together: the first loads it
+    # within the step, the second finds it in the device cache; the prefix is loaded
+    # once.
     sched = scheduler_connector(offload_llm).scheduler
     prefix = _words(400, 5 * BLOCK_SIZE)
     prompts = [prefix + _words(401, 9), prefix + _words(402, 9)]
     alone = [
-        list(_generate(offload_llm, [p], max_tokens=8)[0].outputs[0].token_ids) for p in prompts
+        list(_generate(offload_llm, [p], max_tokens=8)[0].outputs[0].token_ids)
+        for p in prompts
     ]
     for seed in range(403, 407):
         _generate(offload_llm, [_words(seed, 6 * BLOCK_SIZE)], max_tokens=2)

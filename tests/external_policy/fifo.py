@@ -1,6 +1,7 @@
-"""An eviction policy written outside the package, as a user would write one.
+"""An eviction policy written outside the connector's code, as a user would write one.
 
-First in, first out: blocks leave in the order their stores finished, whatever their use.
+First in, first out: blocks leave in the order their stores finished, whatever their
+use.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Kernel tests run the Triton kernels in interpreter mode on CPU tensors when there is no GPU.
+"""Kernel tests run the Triton kernels in interpreter mode on CPU tensors when there is
+no GPU.
 
-`TRITON_INTERPRET` is read when a kernel is decorated, so it is set here, before any test
-module imports triton or `copy_kernels`. On a CUDA machine the kernels compile for real and
-the tests use CUDA tensors.
+`TRITON_INTERPRET` is read when a kernel is decorated, so it is set here, before any
+test module imports triton or `copy_kernels`. On a CUDA machine the kernels compile for
+real and the tests use CUDA tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Logical per-layer view [B, H, N, C] of vLLM 0.32; each layout is a permutation of the
-# logical axes [L, B, H, N, C] into memory order (vllm.v1.kv_cache_layout.KVCacheLayout).
+# logical axes [L, B, H, N, C] into memory order
+# (vllm.v1.kv_cache_layout.KVCacheLayout).
 V032_LAYOUTS = {
     "LBHNC": (0, 1, 2, 3, 4),
     "LBNHC": (0, 1, 3, 2, 4),
@@ -40,9 +42,11 @@ def make_kv_caches(
     dtype: torch.dtype = torch.bfloat16,
     device: str = DEVICE,
 ) -> tuple[dict[str, torch.Tensor], int]:
-    """Per-layer KV caches shaped as vLLM hands them over, and the block dim of each tensor.
+    """Per-layer KV caches shaped as vLLM hands them over, and the block dim of each
+    tensor.
 
-    Bytes are random: every byte of every block is distinct enough to catch a misplaced copy.
+    Bytes are random: every byte of every block is distinct enough to catch a misplaced
+    copy.
     """
     if layout in V032_LAYOUTS:
         order = V032_LAYOUTS[layout]

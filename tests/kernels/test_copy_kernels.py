@@ -48,7 +48,9 @@ def test_store_all_layers(layout, dtype, pairs, copier_cls):
     copier_cls(caches, host).copy(True, _ids(device_ids), _ids(host_ids))
     for name, t in caches.items():
         for d, h in zip(device_ids, host_ids, strict=True):
-            assert torch.equal(host.layer_view(name)[h].cpu(), block_bytes(t, block_dim, d))
+            assert torch.equal(
+                host.layer_view(name)[h].cpu(), block_bytes(t, block_dim, d)
+            )
     untouched = [h for h in range(host.num_host_blocks) if h not in host_ids]
     assert torch.equal(host.tensor[untouched], before[untouched])
 
@@ -87,22 +89,27 @@ def test_round_trip_all_layers(layout, copier_cls):
     copier.copy(False, _ids([1, 6, 3]), _ids([5, 1, 3]))
     for name, t in caches.items():
         for src, dst in ((4, 1), (2, 6), (0, 3)):
-            assert torch.equal(t.select(block_dim, dst), originals[name].select(block_dim, src))
+            assert torch.equal(
+                t.select(block_dim, dst), originals[name].select(block_dim, src)
+            )
         assert not t.select(block_dim, 0).any()
 
 
 @pytest.mark.parametrize("copier_cls", COPIERS.values(), ids=COPIERS.keys())
 def test_kernel_blocks_grouped_into_manager_blocks(copier_cls):
-    # vLLM split each 8-token manager block into two 4-token kernel blocks: ids are manager ids.
+    # vLLM split each 8-token manager block into two 4-token kernel blocks: ids are
+    # manager ids.
     caches, _ = make_kv_caches("LBHNC", num_blocks=8, dtype=torch.bfloat16)
     host = HostBuffer.for_kv_caches(caches, 3, num_blocks=4)
     copier_cls(caches, host).copy(True, _ids([3, 1]), _ids([0, 2]))
     for name, t in caches.items():
         assert torch.equal(
-            host.layer_view(name)[0].cpu(), t[6:8].contiguous().view(-1).view(torch.uint8).cpu()
+            host.layer_view(name)[0].cpu(),
+            t[6:8].contiguous().view(-1).view(torch.uint8).cpu(),
         )
         assert torch.equal(
-            host.layer_view(name)[2].cpu(), t[2:4].contiguous().view(-1).view(torch.uint8).cpu()
+            host.layer_view(name)[2].cpu(),
+            t[2:4].contiguous().view(-1).view(torch.uint8).cpu(),
         )
 
 
@@ -122,11 +129,17 @@ def test_word_is_widest_common_alignment():
 
 def test_odd_element_counts_copy_as_narrow_words():
     # A 3-element bf16 run (6 bytes) forces 2-byte words; bytes still land exactly.
-    caches = {"a": torch.randn(5, 3, dtype=torch.float32, device=DEVICE).to(torch.bfloat16)}
+    caches = {
+        "a": torch.randn(5, 3, dtype=torch.float32, device=DEVICE).to(torch.bfloat16)
+    }
     host = HostBuffer.for_kv_caches(caches, 4)
     TritonBlockCopier(caches, host).copy(True, _ids([4, 0]), _ids([1, 3]))
-    assert torch.equal(host.layer_view("a")[1].cpu(), caches["a"][4].view(torch.uint8).cpu())
-    assert torch.equal(host.layer_view("a")[3].cpu(), caches["a"][0].view(torch.uint8).cpu())
+    assert torch.equal(
+        host.layer_view("a")[1].cpu(), caches["a"][4].view(torch.uint8).cpu()
+    )
+    assert torch.equal(
+        host.layer_view("a")[3].cpu(), caches["a"][0].view(torch.uint8).cpu()
+    )
 
 
 def test_engine_with_triton_copier_reports_jobs():
@@ -143,5 +156,6 @@ def test_engine_with_triton_copier_reports_jobs():
     assert engine.poll_finished().stores == {1, 2}
     for name, t in caches.items():
         assert torch.equal(
-            host.layer_view(name)[4].cpu(), t[5].contiguous().view(-1).view(torch.uint8).cpu()
+            host.layer_view(name)[4].cpu(),
+            t[5].contiguous().view(-1).view(torch.uint8).cpu(),
         )

@@ -1,4 +1,5 @@
-"""DMA block copies: the address tables on any machine, byte-exact copies where CUDA runs."""
+"""DMA block copies: the address tables on any machine, byte-exact copies where CUDA
+runs."""
 
 from __future__ import annotations
 
@@ -11,17 +12,22 @@ from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
 
-def _tables(layout: str, device_ids: list[int], host_ids: list[int], num_layers: int = 3):
+def _tables(
+    layout: str, device_ids: list[int], host_ids: list[int], num_layers: int = 3
+):
     caches, block_dim = make_kv_caches(layout, num_layers=num_layers, device="cpu")
     host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
-    group = dma_copy._Group(list(caches), list(caches.values()), host, max_pitch=1 << 31)
+    group = dma_copy._Group(
+        list(caches), list(caches.values()), host, max_pitch=1 << 31
+    )
     tables = dma_copy._Tables(group, torch.tensor(device_ids), torch.tensor(host_ids))
     return caches, block_dim, host, tables
 
 
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_layer_tables_address_every_run(layout):
-    # Each layer's row lists, in device-id order, the address of every run of every pair.
+    # Each layer's row lists, in device-id order, the address of every run of every
+    # pair.
     device_ids, host_ids = [6, 0, 3], [1, 4, 0]
     caches, _, host, tables = _tables(layout, device_ids, host_ids)
     pairs = sorted(zip(device_ids, host_ids, strict=True))
@@ -39,7 +45,8 @@ def test_layer_tables_address_every_run(layout):
 
 
 def test_merge_joins_runs_that_continue_on_both_sides():
-    # Runs 0-1 continue each other on both sides, 2 jumps on the host side, 3 continues 2.
+    # Runs 0-1 continue each other on both sides, 2 jumps on the host side, 3 continues
+    # 2.
     device = torch.tensor([100, 110, 120, 130])
     host = torch.tensor([0, 10, 50, 60])
     dsts, srcs, sizes = dma_copy.merge_runs(device, host, 10)
@@ -49,7 +56,8 @@ def test_merge_joins_runs_that_continue_on_both_sides():
 
 
 def test_blocks_that_hold_every_layer_merge_into_one_copy_per_block():
-    # BLHNC keeps all layers of a block contiguous, as the host block does: one copy each.
+    # BLHNC keeps all layers of a block contiguous, as the host block does: one copy
+    # each.
     _, _, host, tables = _tables("BLHNC", [4, 1], [0, 5])
     device, on_host, sizes = tables.merged(to_host=False)
     assert sizes.tolist() == [host.block_bytes] * 2
@@ -66,13 +74,21 @@ def test_consecutive_pairs_of_one_dense_layer_merge():
 
 @pytest.mark.parametrize(
     ("layout", "pitched"),
-    [("LBHNC", True), ("LBNHC", True), ("BLHNC", True), ("LHBNC", False), ("2N_NHD", False)],
+    [
+        ("LBHNC", True),
+        ("LBNHC", True),
+        ("BLHNC", True),
+        ("LHBNC", False),
+        ("2N_NHD", False),
+    ],
 )
 def test_whole_blocks_go_pitched_where_layers_sit_at_one_distance(layout, pitched):
     # Layer-compact layouts with one run per layer-block: a block is one 2D copy.
     caches, _ = make_kv_caches(layout, device="cpu")
     host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
-    group = dma_copy._Group(list(caches), list(caches.values()), host, max_pitch=1 << 31)
+    group = dma_copy._Group(
+        list(caches), list(caches.values()), host, max_pitch=1 << 31
+    )
     assert (group.pitches is not None) is pitched
     if pitched:
         first, second = list(caches.values())[:2]
@@ -94,7 +110,9 @@ cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float8_e4m3fn), ids=str)
+@pytest.mark.parametrize(
+    "dtype", (torch.bfloat16, torch.float16, torch.float8_e4m3fn), ids=str
+)
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_dma_round_trip_byte_exact(layout, dtype):
     # Store all layers, then load one layer into other blocks: bytes land exactly.

@@ -1,5 +1,5 @@
-"""Staged whole-block copies: byte-exact on every layout, on CPU (torch + memmove hops) and,
-where CUDA runs, on the copy engines and kernels with their streams and events."""
+"""Staged whole-block copies: byte-exact on every layout, on CPU (torch + memmove hops)
+and, where CUDA runs, on the copy engines and kernels with their streams and events."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import torch
 from tests.kernels.conftest import ALL_LAYOUTS, DEVICE, block_bytes, make_kv_caches
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.staged_copy import StagedBlockCopier
-from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine, TransferJob
+from vllm_cpu_offload.worker.transfer_engine import (
+    FinishedJobs,
+    TransferEngine,
+    TransferJob,
+)
 
 NUM_BLOCKS, NUM_HOST = 13, 12
 
@@ -22,7 +26,9 @@ def _gathers(layout: str) -> list[str]:
     return ["kernel"]
 
 
-def _copier(layout: str, gather: str, chunk_blocks: int, dtype: torch.dtype = torch.bfloat16):
+def _copier(
+    layout: str, gather: str, chunk_blocks: int, dtype: torch.dtype = torch.bfloat16
+):
     caches, block_dim = make_kv_caches(layout, num_blocks=NUM_BLOCKS, dtype=dtype)
     host = HostBuffer.for_kv_caches(caches, NUM_HOST)
     host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))
@@ -40,24 +46,31 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-# Eleven pairs over chunks of three: four chunks, the last one short, both halves reused;
-# host blocks 7, 8, 9 follow each other in one chunk (their hop merges into one run).
+# Eleven pairs over chunks of three: four chunks, the last one short, both halves
+# reused; host blocks 7, 8, 9 follow each other in one chunk (their hop merges into one
+# run).
 DEVICE_IDS = [12, 0, 5, 3, 9, 1, 10, 2, 7, 11, 4]
 HOST_IDS = [3, 11, 0, 7, 8, 9, 5, 1, 10, 2, 6]
 
 
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float8_e4m3fn), ids=str)
+@pytest.mark.parametrize(
+    "dtype", (torch.bfloat16, torch.float16, torch.float8_e4m3fn), ids=str
+)
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_staged_round_trip_byte_exact(layout, dtype):
     # Store eleven scattered blocks, then load them into other device blocks.
     for gather in _gathers(layout):
-        caches, block_dim, host, copier = _copier(layout, gather, chunk_blocks=3, dtype=dtype)
+        caches, block_dim, host, copier = _copier(
+            layout, gather, chunk_blocks=3, dtype=dtype
+        )
         before = host.tensor.cpu().clone()
         copier.copy(True, torch.tensor(DEVICE_IDS), torch.tensor(HOST_IDS))
         _sync()
         for name, t in caches.items():
             for d, h in zip(DEVICE_IDS, HOST_IDS, strict=True):
-                assert torch.equal(host.layer_view(name)[h].cpu(), block_bytes(t, block_dim, d))
+                assert torch.equal(
+                    host.layer_view(name)[h].cpu(), block_bytes(t, block_dim, d)
+                )
         untouched = sorted(set(range(NUM_HOST)) - set(HOST_IDS))
         assert torch.equal(host.tensor[untouched].cpu(), before[untouched])
 
@@ -101,7 +114,10 @@ def test_staging_lives_beside_the_caches_and_is_sized_by_chunks():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"chunk_blocks": 0}, "chunk_blocks must be >= 1"), ({"gather": "nvlink"}, "gather 'nvlink'")],
+    [
+        ({"chunk_blocks": 0}, "chunk_blocks must be >= 1"),
+        ({"gather": "nvlink"}, "gather 'nvlink'"),
+    ],
 )
 def test_bad_arguments_are_refused(kwargs, message):
     caches, _ = make_kv_caches("LBHNC")
@@ -126,7 +142,9 @@ def test_engine_with_a_staged_copier_reports_jobs():
     assert engine.poll_finished() == FinishedJobs(stores={2}, loads={1})
     for name, t in caches.items():
         for d, h in ((8, 0), (9, 1), (10, 2), (3, 9), (4, 10), (5, 11)):
-            assert torch.equal(block_bytes(t, block_dim, d), host.layer_view(name)[h].cpu())
+            assert torch.equal(
+                block_bytes(t, block_dim, d), host.layer_view(name)[h].cpu()
+            )
 
 
 cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
@@ -134,17 +152,23 @@ cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float8_e4m3fn), ids=str)
+@pytest.mark.parametrize(
+    "dtype", (torch.bfloat16, torch.float16, torch.float8_e4m3fn), ids=str
+)
 def test_cuda_stores_and_loads_in_flight_together(dtype):
-    # A store and a load queued on unrelated streams at once use their own staging halves;
-    # a second store on a third stream waits for the first one's halves.
-    caches, block_dim, host, copier = _copier("LBNHC", "dma", chunk_blocks=2, dtype=dtype)
+    # A store and a load queued on unrelated streams at once use their own staging
+    # halves; a second store on a third stream waits for the first one's halves.
+    caches, block_dim, host, copier = _copier(
+        "LBNHC", "dma", chunk_blocks=2, dtype=dtype
+    )
     stored = {n: t.clone() for n, t in caches.items()}
     streams = [torch.cuda.Stream() for _ in range(3)]
     with torch.cuda.stream(streams[0]):
         copier.copy(True, torch.tensor([0, 1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4]))
     with torch.cuda.stream(streams[1]):
-        copier.copy(False, torch.tensor([8, 9, 10, 11, 12]), torch.tensor([7, 8, 9, 10, 11]))
+        copier.copy(
+            False, torch.tensor([8, 9, 10, 11, 12]), torch.tensor([7, 8, 9, 10, 11])
+        )
     with torch.cuda.stream(streams[2]):
         copier.copy(True, torch.tensor([5, 6, 7]), torch.tensor([5, 6, 11]))
     torch.cuda.synchronize()
@@ -153,4 +177,6 @@ def test_cuda_stores_and_loads_in_flight_together(dtype):
             got = host.layer_view(name)[d].cpu()
             assert torch.equal(got, block_bytes(stored[name], block_dim, d))
         for d in (8, 9, 10):  # loaded from host blocks no store touched
-            assert torch.equal(block_bytes(t, block_dim, d), host.layer_view(name)[d - 1].cpu())
+            assert torch.equal(
+                block_bytes(t, block_dim, d), host.layer_view(name)[d - 1].cpu()
+            )

@@ -1,5 +1,6 @@
-"""TorchBlockCopier on CPU tensors: batches shared with helper threads land byte-exact, and a
-copy that raises in any thread raises from `copy` once every thread has stopped."""
+"""TorchBlockCopier on CPU tensors: batches shared with helper threads land byte-exact,
+and a copy that raises in any thread raises from `copy` once every thread has
+stopped."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import torch
 from vllm_cpu_offload.worker import copy_threads, cpu_copy
 from vllm_cpu_offload.worker.cpu_copy import TorchBlockCopier
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
-from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine, TransferJob
+from vllm_cpu_offload.worker.transfer_engine import (
+    FinishedJobs,
+    TransferEngine,
+    TransferJob,
+)
 
 NUM_LAYERS, NUM_BLOCKS, NUM_HOST_BLOCKS = 4, 64, 48
 HELPER_WAIT_S = 10.0
 
 
 def _caches() -> dict[str, torch.Tensor]:
-    """vLLM's CPU layout (LBHNC): all layers in one buffer, [B, H, N, 2 * D] per layer."""
+    """The CPU layout of vLLM (LBHNC): all layers in one buffer, [B, H, N, 2 * D] per
+    layer."""
     raw = torch.randint(0, 256, (NUM_LAYERS, NUM_BLOCKS, 2, 4, 16), dtype=torch.int16)
     return {f"model.layers.{i}.attn": raw[i] for i in range(NUM_LAYERS)}
 
@@ -36,7 +42,8 @@ def split_everything(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def helper_takes_a_piece(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    # The calling thread copies nothing until a helper has taken a piece: both threads work.
+    # The calling thread copies nothing until a helper has taken a piece: both threads
+    # work.
     helper_started = threading.Event()
     copy = cpu_copy._copy
 
@@ -53,8 +60,11 @@ def helper_takes_a_piece(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 @pytest.mark.usefixtures("split_everything")
 @pytest.mark.parametrize("threads", [2, 3])
-def test_shared_batch_is_byte_exact(threads: int, helper_takes_a_piece: threading.Event) -> None:
-    # 40 scattered blocks and a 6-block run, shared by threads: stored, wiped, loaded back.
+def test_shared_batch_is_byte_exact(
+    threads: int, helper_takes_a_piece: threading.Event
+) -> None:
+    # 40 scattered blocks and a 6-block run, shared by threads: stored, wiped, loaded
+    # back.
     caches = _caches()
     originals = {n: t.clone() for n, t in caches.items()}
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
@@ -95,7 +105,9 @@ def test_error_in_a_helper_raises_after_all_threads_stop(
             active[0] += 1
         try:
             if threading.current_thread() is threading.main_thread():
-                assert helper_started.wait(HELPER_WAIT_S), "no helper thread took a piece"
+                assert helper_started.wait(HELPER_WAIT_S), (
+                    "no helper thread took a piece"
+                )
             else:
                 helper_started.set()
                 raise RuntimeError("injected copy failure")
@@ -120,7 +132,9 @@ def test_engine_fails_the_job_whose_shared_copy_raises(
     caches = _caches()
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))
-    engine = TransferEngine(caches, host, copier=TorchBlockCopier(caches, host, threads=2))
+    engine = TransferEngine(
+        caches, host, copier=TorchBlockCopier(caches, host, threads=2)
+    )
     copy = cpu_copy._copy
 
     def failing_copy(
@@ -131,7 +145,10 @@ def test_engine_fails_the_job_whose_shared_copy_raises(
         copy(to_host, dev, hv, d, h, n)
 
     monkeypatch.setattr(cpu_copy, "_copy", failing_copy)
-    jobs = [TransferJob(1, list(range(30)), list(range(30))), TransferJob(2, [30], [40])]
+    jobs = [
+        TransferJob(1, list(range(30)), list(range(30))),
+        TransferJob(2, [30], [40]),
+    ]
     if direction == "store":
         engine.store_layer("model.layers.0.attn", jobs)
         engine.finish_step()
@@ -145,8 +162,11 @@ def test_engine_fails_the_job_whose_shared_copy_raises(
             assert torch.equal(host.layer_view(name)[b], _device_block(t, b))
 
 
-def test_small_batch_stays_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Below SPLIT_MIN_BYTES no helper is handed work (a hand-off costs more than it saves).
+def test_small_batch_stays_on_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Below SPLIT_MIN_BYTES no helper is handed work (a hand-off costs more than it
+    # saves).
     caches = _caches()
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     threads: set[str] = set()
@@ -162,7 +182,8 @@ def test_small_batch_stays_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch
 
 
 def test_helpers_keep_the_torch_thread_count() -> None:
-    # Starting helpers (each sets its own intra-op pool to 1) leaves this thread's alone.
+    # Starting helpers (each sets its own intra-op pool to 1) leaves this thread's
+    # alone.
     before = torch.get_num_threads()
     caches = _caches()
     TorchBlockCopier(caches, HostBuffer.for_kv_caches(caches, 2), threads=2)
@@ -177,18 +198,26 @@ def _clear_openmp_binding(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_thread_pinned_to_one_core_without_a_binding_gets_no_helpers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Pinned to one core and no OpenMP pool to borrow from: helpers would share that core.
+    # Pinned to one core and no OpenMP pool to borrow from: helpers would share that
+    # core.
     _clear_openmp_binding(monkeypatch)
-    monkeypatch.setattr(copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False)
+    monkeypatch.setattr(
+        copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False
+    )
     assert copy_threads.default_threads() == 1
     assert copy_threads.helper_cores(2) == []
 
 
-def test_a_pinned_worker_thread_borrows_the_openmp_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    # vLLM's CPU worker: initial thread pinned to core 0, OpenMP threads bound to 0 and 1.
+def test_a_pinned_worker_thread_borrows_the_openmp_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM's CPU worker: initial thread pinned to core 0, OpenMP threads bound to 0 and
+    # 1.
     _clear_openmp_binding(monkeypatch)
     monkeypatch.setenv("GOMP_CPU_AFFINITY", "0 1")
-    monkeypatch.setattr(copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False)
+    monkeypatch.setattr(
+        copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False
+    )
     monkeypatch.setattr(copy_threads, "_process_cores", lambda: {0, 1})
     monkeypatch.setattr(copy_threads.torch, "get_num_threads", lambda: 2)
     assert copy_threads.copy_cores() == [0, 1]
@@ -196,11 +225,16 @@ def test_a_pinned_worker_thread_borrows_the_openmp_cores(monkeypatch: pytest.Mon
     assert copy_threads.helper_cores(2) == [1]
 
 
-def test_a_binding_names_only_cores_this_process_runs_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    # An inherited binding list for other cores than this process's threads use adds nothing.
+def test_a_binding_names_only_cores_this_process_runs_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An inherited binding list for other cores than this process's threads use adds
+    # nothing.
     _clear_openmp_binding(monkeypatch)
     monkeypatch.setenv("GOMP_CPU_AFFINITY", "4-7")
-    monkeypatch.setattr(copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False)
+    monkeypatch.setattr(
+        copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False
+    )
     monkeypatch.setattr(copy_threads, "_process_cores", lambda: {0, 1})
     assert copy_threads.copy_cores() == [0]
     assert copy_threads.default_threads() == 1
@@ -211,7 +245,10 @@ def test_a_binding_names_only_cores_this_process_runs_on(monkeypatch: pytest.Mon
     [
         ({"GOMP_CPU_AFFINITY": "0 2-3"}, {0, 2, 3}),
         ({"GOMP_CPU_AFFINITY": "1,5"}, {1, 5}),
-        ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5,8-9]"}, {4, 5, 8, 9}),
+        (
+            {"KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5,8-9]"},
+            {4, 5, 8, 9},
+        ),
         ({"OMP_PLACES": "{6,7}"}, {6, 7}),
         ({"OMP_PLACES": "{0:4}"}, set()),  # lengths and strides: not read, no cores
         ({"GOMP_CPU_AFFINITY": "0-3:2"}, set()),
@@ -228,7 +265,8 @@ def test_openmp_binding_forms(
 
 
 @pytest.mark.skipif(
-    not hasattr(copy_threads.os, "sched_setaffinity") or len(copy_threads._affinity(0)) < 2,
+    not hasattr(copy_threads.os, "sched_setaffinity")
+    or len(copy_threads._affinity(0)) < 2,
     reason="needs two cores and thread affinity",
 )
 def test_helpers_run_on_their_own_core(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,7 +282,9 @@ def test_helpers_run_on_their_own_core(monkeypatch: pytest.MonkeyPatch) -> None:
         cores = copy_threads.helper_cores(2)
         threads = copy_threads.CopyThreads(2, cores)
         seen["cores"] = cores
-        seen["helper"] = threads._helpers.submit(copy_threads.os.sched_getaffinity, 0).result()
+        seen["helper"] = threads._helpers.submit(
+            copy_threads.os.sched_getaffinity, 0
+        ).result()
         seen["caller"] = copy_threads.os.sched_getaffinity(0)
 
     caller = threading.Thread(target=pinned_caller)
@@ -253,7 +293,9 @@ def test_helpers_run_on_their_own_core(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen == {"cores": [second], "helper": {second}, "caller": {first}}
 
 
-def test_copies_ignore_a_replaced_set_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_copies_ignore_a_replaced_set_num_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # vLLM's CPU worker replaces torch.set_num_threads with a no-op; ours calls ATen's.
     def forbidden(n: int) -> None:
         raise AssertionError("torch.set_num_threads called")
@@ -262,7 +304,9 @@ def test_copies_ignore_a_replaced_set_num_threads(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cpu_copy, "SPLIT_MIN_BYTES", 0)
     caches = _caches()
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
-    TorchBlockCopier(caches, host, threads=2).copy(True, list(range(20)), list(range(20)))
+    TorchBlockCopier(caches, host, threads=2).copy(
+        True, list(range(20)), list(range(20))
+    )
     for name, t in caches.items():
         assert torch.equal(host.layer_view(name)[19], _device_block(t, 19))
 
@@ -270,7 +314,8 @@ def test_copies_ignore_a_replaced_set_num_threads(monkeypatch: pytest.MonkeyPatc
 def test_a_core_that_cannot_be_taken_leaves_the_helper_on_the_callers_mask(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The binding names a core this thread may not use: the helper starts anyway and copies.
+    # The binding names a core this thread may not use: the helper starts anyway and
+    # copies.
     def refuse(tid: int, cores: object) -> None:
         raise OSError(22, "Invalid argument")
 

@@ -1,4 +1,5 @@
-"""The two engine flags and the advanced route: what they turn into, and every bad input."""
+"""The two engine flags and the advanced route: what they turn into, and every bad
+input."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def test_enable_with_size() -> None:
 def test_cli_parser_has_both_flags_and_builds_engine_args() -> None:
     # vllm serve's parser learns both flags; from_cli_args carries them over.
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
-    ns = parser.parse_args(["--model", "m", "--enable-cpu-offload", "--swap-space", "2"])
+    ns = parser.parse_args(
+        ["--model", "m", "--enable-cpu-offload", "--swap-space", "2"]
+    )
     engine_args = AsyncEngineArgs.from_cli_args(ns)
     assert engine_args.enable_cpu_offload is True
     assert engine_args.swap_space == "2"
@@ -67,9 +70,18 @@ def test_cli_parser_has_both_flags_and_builds_engine_args() -> None:
         ({"enable_cpu_offload": True, "swap_space": "nan"}, "positive number of GiB"),
         ({"enable_cpu_offload": True, "swap_space": "1000000"}, "lower --swap-space"),
         ({"swap_space": "2"}, "needs --enable-cpu-offload"),
-        ({"swap_space_path": "/tmp/tier"}, "--swap-space-path keeps the host KV tier in files"),
-        ({"enable_cpu_offload": True, "swap_space_path": ""}, "must be a directory path"),
-        ({"enable_cpu_offload": True, "kv_offloading_size": 4.0}, "--kv-offloading-size"),
+        (
+            {"swap_space_path": "/tmp/tier"},
+            "--swap-space-path keeps the host KV tier in files",
+        ),
+        (
+            {"enable_cpu_offload": True, "swap_space_path": ""},
+            "must be a directory path",
+        ),
+        (
+            {"enable_cpu_offload": True, "kv_offloading_size": 4.0},
+            "--kv-offloading-size",
+        ),
         (
             {
                 "enable_cpu_offload": True,
@@ -107,7 +119,8 @@ def test_cli_parser_has_both_flags_and_builds_engine_args() -> None:
                     kv_connector_extra_config={"copy_backend": "nccl"},
                 )
             },
-            "copy_backend 'nccl' is not known; choose one of: auto, triton, dma, staged",
+            "copy_backend 'nccl' is not known; "
+            "choose one of: auto, triton, dma, staged",
         ),
     ],
 )
@@ -121,7 +134,8 @@ def test_bad_input_is_one_line_error(kwargs: dict[str, object], message: str) ->
 
 
 def test_swap_space_path_from_the_command_line(tmp_path: Path) -> None:
-    # --swap-space-path DIR: parsed, carried to the config; the directory is created private.
+    # --swap-space-path DIR: parsed, carried to the config; the directory is created
+    # private.
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     tier = tmp_path / "tier"
     ns = parser.parse_args(
@@ -139,7 +153,9 @@ def test_a_directory_others_can_write_is_refused_before_start(tmp_path: Path) ->
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
     with pytest.raises(OffloadConfigError, match="writable by other users"):
-        flags.resolve_offload(_args(enable_cpu_offload=True, swap_space_path=str(shared)))
+        flags.resolve_offload(
+            _args(enable_cpu_offload=True, swap_space_path=str(shared))
+        )
 
 
 def test_advanced_route_validates_and_keeps_extra_config() -> None:
@@ -154,12 +170,14 @@ def test_advanced_route_validates_and_keeps_extra_config() -> None:
         },
     )
     config = flags.resolve_offload(_args(kv_transfer_config=ktc))
-    assert config == OffloadConfig(swap_space_gib=0.25, eviction_policy="lru", copy_backend="dma")
+    assert config == OffloadConfig(
+        swap_space_gib=0.25, eviction_policy="lru", copy_backend="dma"
+    )
 
 
 def test_flags_keep_the_advanced_routes_other_keys_and_recompute_failed_loads() -> None:
-    # --enable-cpu-offload --swap-space over an explicit config: the size changes, the rest
-    # stays; a failed load is a recompute (vLLM's default would fail the request).
+    # --enable-cpu-offload --swap-space over an explicit config: the size changes, the
+    # rest stays; a failed load is a recompute (vLLM's default would fail the request).
     ktc = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
         kv_role="kv_both",
@@ -167,7 +185,9 @@ def test_flags_keep_the_advanced_routes_other_keys_and_recompute_failed_loads() 
     )
     args = _args(enable_cpu_offload=True, swap_space="0.5", kv_transfer_config=ktc)
     config = flags.resolve_offload(args)
-    assert config == OffloadConfig(swap_space_gib=0.5, eviction_policy="lru", copy_backend="dma")
+    assert config == OffloadConfig(
+        swap_space_gib=0.5, eviction_policy="lru", copy_backend="dma"
+    )
     built = flags._kv_transfer_config_for(config, ktc)
     assert built.kv_load_failure_policy == "recompute"
     assert built.kv_connector_extra_config["copy_backend"] == "dma"
@@ -179,14 +199,16 @@ def test_version_check_takes_the_tested_releases_and_refuses_others() -> None:
     for version in ("0.32.0", "0.32.0+cpu", "0.33.0", "0.33.0+cu130"):
         flags.check_vllm_version(version)
     for version in ("0.31.2", "0.33.1", "0.34.0", "0.33.0rc1"):
-        with pytest.raises(RuntimeError, match="supports vLLM 0.32.0 and 0.33.0 but vLLM 0"):
+        with pytest.raises(
+            RuntimeError, match="supports vLLM 0.32.0 and 0.33.0 but vLLM 0"
+        ):
             flags.check_vllm_version(version)
     assert "install vllm==0.33.0" in (flags.unsupported_vllm("0.34.0") or "")
 
 
 def test_an_untested_vllm_release_is_left_as_it_is() -> None:
-    # On a vLLM release the package is not tested against, the plugin patches nothing (vLLM
-    # runs as without the package) and says once which releases it supports.
+    # On a vLLM release the package is not tested against, the plugin patches nothing
+    # (vLLM runs as without the package) and says once which releases it supports.
     script = (
         "import vllm; vllm.__version__ = '0.34.0'\n"
         "from vllm_cpu_offload import flags, omp_cores, plugin\n"
@@ -213,8 +235,8 @@ def test_an_untested_vllm_release_is_left_as_it_is() -> None:
 def state_space_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A Jamba config (Mamba layers between attention layers) with the tiny tokenizer.
 
-    vLLM 0.32's CPU platform cannot run one (its Mamba mixer fails in the first forward),
-    so the flags refuse such models before the engine starts.
+    vLLM 0.32's CPU platform cannot run one (its Mamba mixer fails in the first
+    forward), so the flags refuse such models before the engine starts.
     """
     from transformers import JambaConfig
 
@@ -238,12 +260,18 @@ def state_space_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory)
     return str(folder)
 
 
-def test_state_space_model_is_refused_before_the_engine_starts(state_space_model: str) -> None:
+def test_state_space_model_is_refused_before_the_engine_starts(
+    state_space_model: str,
+) -> None:
     # LLM(...) and EngineArgs: a one-line OffloadConfigError from create_engine_config.
-    args = EngineArgs(model=state_space_model, enable_cpu_offload=True, swap_space="0.01")  # type: ignore[call-arg]
+    args = EngineArgs(
+        model=state_space_model, enable_cpu_offload=True, swap_space="0.01"
+    )  # type: ignore[call-arg]
     with pytest.raises(OffloadConfigError, match="hybrid state-space") as info:
         args.create_engine_config()
-    assert "\n" not in str(info.value) and "drop --enable-cpu-offload" in str(info.value)
+    assert "\n" not in str(info.value) and "drop --enable-cpu-offload" in str(
+        info.value
+    )
     # Without the flag nothing is refused: vLLM decides on its own.
     EngineArgs(model=state_space_model).create_engine_config()
 
@@ -254,7 +282,8 @@ def test_state_space_model_on_the_command_line_is_one_line_and_exit_2(
     proc = subprocess.run(
         [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", state_space_model, "--enable-cpu-offload", "--swap-space", "0.01",
+            "--model", state_space_model,
+            "--enable-cpu-offload", "--swap-space", "0.01",
         ],
         capture_output=True,
         text=True,
@@ -263,7 +292,9 @@ def test_state_space_model_on_the_command_line_is_one_line_and_exit_2(
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --enable-cpu-offload holds attention KV blocks"), last
+    assert last.startswith("error: --enable-cpu-offload holds attention KV blocks"), (
+        last
+    )
 
 
 def _extra(**extra: object) -> KVTransferConfig:
@@ -274,20 +305,30 @@ def _extra(**extra: object) -> KVTransferConfig:
 
 @pytest.mark.parametrize("size", [0, -32, 1.5, "64", True])
 def test_offload_block_size_must_be_a_positive_number_of_tokens(size: object) -> None:
-    with pytest.raises(OffloadConfigError, match="offload_block_size must be a positive number"):
+    with pytest.raises(
+        OffloadConfigError, match="offload_block_size must be a positive number"
+    ):
         flags.resolve_offload(_args(kv_transfer_config=_extra(offload_block_size=size)))
 
 
-def test_offload_block_size_is_checked_against_the_engine_before_start(tiny_model: str) -> None:
+def test_offload_block_size_is_checked_against_the_engine_before_start(
+    tiny_model: str,
+) -> None:
     # Not a multiple of the block size: refused with the fix; a multiple is taken.
     args = EngineArgs(
-        model=tiny_model, block_size=32, kv_transfer_config=_extra(offload_block_size=48)
+        model=tiny_model,
+        block_size=32,
+        kv_transfer_config=_extra(offload_block_size=48),
     )
-    with pytest.raises(OffloadConfigError, match="not a multiple of the block size 32") as info:
+    with pytest.raises(
+        OffloadConfigError, match="not a multiple of the block size 32"
+    ) as info:
         args.create_engine_config()
     assert "\n" not in str(info.value)
     args = EngineArgs(
-        model=tiny_model, block_size=32, kv_transfer_config=_extra(offload_block_size=64)
+        model=tiny_model,
+        block_size=32,
+        kv_transfer_config=_extra(offload_block_size=64),
     )
     config = args.create_engine_config().kv_transfer_config
     assert config.kv_connector_extra_config["offload_block_size"] == 64
@@ -299,6 +340,8 @@ def test_offload_block_size_refuses_sliding_window_layers(tiny_model: str) -> No
     from vllm_cpu_offload.testing.tiny_model import TEST_SHAPE, ensure_tiny_llama
 
     model = str(ensure_tiny_llama(dataclasses.replace(TEST_SHAPE, sliding_window=64)))
-    args = EngineArgs(model=model, block_size=32, kv_transfer_config=_extra(offload_block_size=64))
+    args = EngineArgs(
+        model=model, block_size=32, kv_transfer_config=_extra(offload_block_size=64)
+    )
     with pytest.raises(OffloadConfigError, match="needs full attention"):
         args.create_engine_config()

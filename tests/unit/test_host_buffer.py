@@ -1,4 +1,5 @@
-"""HostBuffer: block-major slots, one contiguous range per block, clear allocation errors."""
+"""HostBuffer: block-major slots, one contiguous range per block, clear allocation
+errors."""
 
 from __future__ import annotations
 
@@ -68,10 +69,13 @@ def test_failed_allocation_names_swap_space(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_failed_pinning_names_swap_space(monkeypatch: pytest.MonkeyPatch) -> None:
-    # cudaHostRegister refuses (e.g. the locked-memory limit): a clear error, not a crash.
+    # cudaHostRegister refuses (e.g. the locked-memory limit): a clear error, not a
+    # crash.
     monkeypatch.setattr(host_buffer, "_host_register", lambda ptr, size: 2)
     layouts = {"a": KVLayout(4, 1 << 20, 1, 0, 1 << 20, 2)}
-    with pytest.raises(HostBufferError, match=r"--swap-space asked for 0\.50 GiB of pinned"):
+    with pytest.raises(
+        HostBufferError, match=r"--swap-space asked for 0\.50 GiB of pinned"
+    ):
         HostBuffer(layouts, 512, pin=True)
 
 
@@ -84,7 +88,9 @@ def test_pinning_registers_the_exact_size(monkeypatch: pytest.MonkeyPatch) -> No
         return 0
 
     monkeypatch.setattr(host_buffer, "_host_register", register)
-    monkeypatch.setattr(host_buffer, "_host_unregister", lambda ptr: calls.append((ptr, -1)))
+    monkeypatch.setattr(
+        host_buffer, "_host_unregister", lambda ptr: calls.append((ptr, -1))
+    )
     host = HostBuffer.for_kv_caches(_caches(), num_host_blocks=3, pin=True)
     assert calls == [(host.tensor.data_ptr(), 3 * 768)]
     ptr = host.tensor.data_ptr()

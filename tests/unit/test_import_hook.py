@@ -1,4 +1,5 @@
-"""The flags reach vLLM's own tools with no import of this package: the .pth import hook.
+"""The flags reach vLLM's own tools with no import of this package: the .pth import
+hook.
 
 Each case runs a fresh interpreter of this environment, as a user's script would run.
 """
@@ -21,7 +22,11 @@ pytest.importorskip("vllm")
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"} | env
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=full_env
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=full_env,
     )
 
 
@@ -34,7 +39,8 @@ def test_the_pth_is_installed_in_this_environment() -> None:
 def test_interpreter_start_imports_nothing_of_vllm_or_the_package() -> None:
     # The hook is one finder in sys.meta_path; vLLM and the plugin stay unimported.
     proc = _python(
-        "import sys; print(sorted(m for m in sys.modules if m.startswith(('vllm', 'torch'))))"
+        "import sys; print(sorted(m for m in sys.modules if m.startswith(('vllm', "
+        "'torch'))))"
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "['vllm_cpu_offload_hook']"
@@ -70,7 +76,8 @@ def test_vllm_plugins_without_ours_leaves_vllm_untouched() -> None:
     # VLLM_PLUGINS is honoured as vLLM honours it: not named, not applied.
     proc = _python(
         "import sys\nfrom vllm.engine.arg_utils import EngineArgs\n"
-        "print('flags' if hasattr(EngineArgs, '_vllm_cpu_offload_patched') else 'plain',"
+        "print('flags' if hasattr(EngineArgs, '_vllm_cpu_offload_patched') else "
+        "'plain',"
         " 'vllm_cpu_offload' in sys.modules)",
         VLLM_PLUGINS="some_other_plugin",
     )
@@ -79,8 +86,8 @@ def test_vllm_plugins_without_ours_leaves_vllm_untouched() -> None:
 
 
 def test_a_plugin_that_cannot_apply_never_breaks_vllms_import() -> None:
-    # A vLLM the package is not tested against: vLLM's module loads unpatched, and one line
-    # says which releases the package supports.
+    # A vLLM the package is not tested against: vLLM's module loads unpatched, and one
+    # line says which releases the package supports.
     proc = _python(
         "import vllm\n"
         "vllm.__version__ = '0.99.0'\n"

@@ -29,23 +29,37 @@ def _config(*specs: object) -> KVCacheConfig:
 
 
 def test_first_needed_block_matches_the_tokens_vllm_skips() -> None:
-    # A window of 8 tokens after 6 blocks (24 tokens): tokens 0..16 are skipped, so block 4
-    # (tokens 16..19) is the first the next token attends to. A chunk of 8 tokens after 24
-    # tokens starts a new chunk: nothing before block 6 is needed.
-    window, chunk, full = KVGroup(1, sliding_window=8), KVGroup(2, attention_chunk=8), KVGroup(0)
-    assert [window.first_needed_block(n, BS) for n in (0, 1, 2, 3, 6)] == [0, 0, 0, 1, 4]
+    # A window of 8 tokens after 6 blocks (24 tokens): tokens 0..16 are skipped, so
+    # block 4 (tokens 16..19) is the first the next token attends to. A chunk of 8
+    # tokens after 24 tokens starts a new chunk: nothing before block 6 is needed.
+    window, chunk, full = (
+        KVGroup(1, sliding_window=8),
+        KVGroup(2, attention_chunk=8),
+        KVGroup(0),
+    )
+    assert [window.first_needed_block(n, BS) for n in (0, 1, 2, 3, 6)] == [
+        0,
+        0,
+        0,
+        1,
+        4,
+    ]
     assert [chunk.first_needed_block(n, BS) for n in (1, 2, 3, 6, 7)] == [0, 2, 2, 6, 6]
     assert full.first_needed_block(100, BS) == 0
 
 
 def test_longest_hit_needs_every_full_block_but_only_the_window() -> None:
     groups = (KVGroup(0), KVGroup(1, sliding_window=8))
-    held = {(0, i) for i in range(10)} | {(1, 4), (1, 5)}  # window group: only blocks 4, 5
+    held = {(0, i) for i in range(10)} | {
+        (1, 4),
+        (1, 5),
+    }  # window group: only blocks 4, 5
 
     def ready(group: int, i: int) -> bool:
         return (group, i) in held
 
-    # A hit of 6 blocks needs window blocks 4 and 5 (held); 7 would need 5 and 6 (6 missing).
+    # A hit of 6 blocks needs window blocks 4 and 5 (held); 7 would need 5 and 6 (6
+    # missing).
     assert longest_hit(groups, BS, 0, 10, ready) == 6
     # A gap in the full group ends the hit, whatever the window group holds.
     held.discard((0, 3))

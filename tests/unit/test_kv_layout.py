@@ -25,7 +25,9 @@ def _memory_order(t: torch.Tensor, block_dim: int, b: int) -> torch.Tensor:
     return block.permute(*dims).contiguous().view(torch.uint8).reshape(-1)
 
 
-def _random(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _random(
+    shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     return torch.randn(shape).to(dtype)
 
 
@@ -39,7 +41,8 @@ def test_flash_nhd_legacy_two_first() -> None:
 
 
 def test_hnd_stride_order_is_still_one_run_per_k_and_v() -> None:
-    # Physical (2, N, H, bs, D) seen as logical (2, N, bs, H, D): each K/V block is dense.
+    # Physical (2, N, H, bs, D) seen as logical (2, N, bs, H, D): each K/V block is
+    # dense.
     t = _random((2, 10, 8, 16, 128)).permute(0, 1, 3, 2, 4)
     layout = KVLayout.from_tensor(t)
     assert (layout.num_chunks, layout.chunk_bytes) == (2, 16 * 8 * 128 * 2)
@@ -48,7 +51,9 @@ def test_hnd_stride_order_is_still_one_run_per_k_and_v() -> None:
 def test_blocks_first_and_mla_are_one_run() -> None:
     # (num_blocks, 2, ...) and MLA-like (num_blocks, block_size, D): one dense run.
     assert KVLayout.from_tensor(_random((10, 2, 16, 8, 64))).num_chunks == 1
-    mla = KVLayout.from_tensor(torch.zeros(10, 16, 576, dtype=torch.uint8))  # fp8 as uint8
+    mla = KVLayout.from_tensor(
+        torch.zeros(10, 16, 576, dtype=torch.uint8)
+    )  # fp8 as uint8
     assert mla == KVLayout(10, 16 * 576, 1, 0, 16 * 576, 1)
 
 
@@ -104,7 +109,10 @@ KVCacheLayout = pytest.importorskip("vllm.v1.kv_cache_layout").KVCacheLayout
 
 
 def _vllm_views(
-    layout_name: str, num_blocks: int, padded: bool = False, kernel_block_size: int | None = None
+    layout_name: str,
+    num_blocks: int,
+    padded: bool = False,
+    kernel_block_size: int | None = None,
 ) -> tuple[list[torch.Tensor], object]:
     spec = vllm_kv.FullAttentionSpec(
         block_size=16,
@@ -146,7 +154,8 @@ def test_every_vllm_layout_maps_each_block(layout_name: str) -> None:
 
 @pytest.mark.parametrize("layout_name", ["LBHNC", "BLHNC"])
 def test_vllm_padded_pages_copy_only_the_data(layout_name: str) -> None:
-    # Padded pages (hybrid models): the block stride skips the padding, the runs do not hold it.
+    # Padded pages (hybrid models): the block stride skips the padding, the runs do not
+    # hold it.
     views, spec = _vllm_views(layout_name, num_blocks=4, padded=True)
     layout = KVLayout.from_tensor(views[1], num_blocks=4)
     assert layout.block_bytes == spec.real_page_size_bytes  # type: ignore[attr-defined]

@@ -1,4 +1,5 @@
-"""vLLM's CPU executor reserves a core for any KV connector; ours gets the cores of no connector."""
+"""vLLM's CPU executor reserves a core for any KV connector; ours gets the cores of no
+connector."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def _config(connector: str | None, world_size: int = 1) -> Any:
         _api_process_count=1,
         assigned_physical_gpu_ids=None,  # read by vLLM 0.33's manager
     )
-    ktc = None if connector is None else KVTransferConfig(kv_connector=connector, kv_role="kv_both")
+    ktc = (
+        None
+        if connector is None
+        else KVTransferConfig(kv_connector=connector, kv_role="kv_both")
+    )
     return SimpleNamespace(parallel_config=parallel, kv_transfer_config=ktc)
 
 
@@ -50,8 +55,11 @@ def test_our_connector_reserves_what_no_connector_reserves(
     assert ours.cpu_lists == none.cpu_lists
 
 
-def test_other_connectors_keep_vllms_extra_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The patch is scoped to our connector: NIXL's transfer threads still get their core.
+def test_other_connectors_keep_vllms_extra_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The patch is scoped to our connector: NIXL's transfer threads still get their
+    # core.
     none = _manager(_config(None), monkeypatch)
     nixl = _manager(_config("NixlConnector"), monkeypatch)
     assert nixl.reserve_cpu_num == none.reserve_cpu_num + 1
@@ -63,10 +71,17 @@ def test_auto_binding_gives_our_connector_the_cores_of_no_connector(
     # vLLM's automatic binding on this machine: the same core list with and without.
     none = _manager(_config(None), monkeypatch)
     ours = _manager(_config(CONNECTOR_NAME), monkeypatch)
-    assert ours.cpu_lists == none.cpu_lists and ours.reserved_cpu_list == none.reserved_cpu_list
+    assert (
+        ours.cpu_lists == none.cpu_lists
+        and ours.reserved_cpu_list == none.reserved_cpu_list
+    )
 
 
-def test_users_reserved_cpu_setting_still_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_users_reserved_cpu_setting_still_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # VLLM_CPU_NUM_OF_RESERVED_CPU is the user's word, with or without the flag.
-    ours = _manager(_config(CONNECTOR_NAME), monkeypatch, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    ours = _manager(
+        _config(CONNECTOR_NAME), monkeypatch, VLLM_CPU_NUM_OF_RESERVED_CPU="0"
+    )
     assert ours.reserve_cpu_num == 0

@@ -1,5 +1,5 @@
-"""The persisted tier's files: index and data survive a process, and nothing torn, foreign
-or stale is ever served; the directory and files are private to their owner."""
+"""The persisted tier's files: index and data survive a process, and nothing torn,
+foreign or stale is ever served; the directory and files are private to their owner."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ def key(i: int) -> tuple[int, bytes]:
     return (0, i.to_bytes(32, "little"))
 
 
-def make_tier(path: Path, slots: int = 8, slot_bytes: int = 64) -> tuple[TierDataFile, Tensor]:
+def make_tier(
+    path: Path, slots: int = 8, slot_bytes: int = 64
+) -> tuple[TierDataFile, Tensor]:
     data = TierDataFile(str(path), WORKERS[0], FINGERPRINT)
     return data, data.map(slots, slot_bytes, LAYOUTS)
 
@@ -43,8 +45,8 @@ def open_index(path: Path, fingerprint: dict | None = None) -> tuple[BlockIndex,
 
 
 def test_blocks_and_bytes_come_back_after_a_clean_close(tmp_path: Path) -> None:
-    # A tier written, closed, and opened again by new objects: same bytes, same keys, same
-    # chain links, oldest first; every file is private to its owner.
+    # A tier written, closed, and opened again by new objects: same bytes, same keys,
+    # same chain links, oldest first; every file is private to its owner.
     data, tensor = make_tier(tmp_path)
     index, restored = open_index(tmp_path)
     assert restored == [] and index.rebuilt_because == "new"
@@ -81,7 +83,9 @@ def test_a_torn_record_is_dropped_and_counted(tmp_path: Path) -> None:
     index, _ = open_index(tmp_path)
     index.record([(0, key(1), None), (1, key(2), key(1))])
     index.close()
-    with open(tmp_path / "index.bin", "r+b") as f:  # a write cut off half-way by a crash
+    with open(
+        tmp_path / "index.bin", "r+b"
+    ) as f:  # a write cut off half-way by a crash
         f.seek(1 * RECORD_BYTES + 20)
         f.write(b"\xff" * 8)
     index2, restored = open_index(tmp_path)
@@ -110,7 +114,9 @@ def test_a_damaged_tier_is_rebuilt_empty(tmp_path: Path, damage, reason: str) ->
     assert again == []
 
 
-def test_a_different_configuration_starts_empty_and_says_what_differs(tmp_path: Path) -> None:
+def test_a_different_configuration_starts_empty_and_says_what_differs(
+    tmp_path: Path,
+) -> None:
     make_tier(tmp_path)
     index, _ = open_index(tmp_path)
     index.record([(0, key(1), None)])
@@ -152,13 +158,15 @@ def test_a_tier_left_open_before_a_reboot_is_rebuilt(tmp_path: Path) -> None:
 
 
 def test_a_crash_while_storing_leaves_only_recorded_blocks(tmp_path: Path) -> None:
-    # A process maps the tier, records two blocks, starts writing a third block's bytes and
-    # is killed (SIGKILL) before its record: the next process serves the two blocks, with
-    # their bytes, and not the third.
+    # A process maps the tier, records two blocks, starts writing a third block's bytes
+    # and is killed (SIGKILL) before its record: the next process serves the two blocks,
+    # with their bytes, and not the third.
     script = textwrap.dedent(
         f"""
         import os, signal
-        from tests.unit.test_persist import make_tier, open_index, key
+        from tests.unit.test_persist import (
+            make_tier, open_index, key,
+        )
         from pathlib import Path
         path = Path({str(tmp_path)!r})
         data, tensor = make_tier(path)
@@ -189,7 +197,9 @@ def test_a_second_engine_on_the_same_directory_is_refused(tmp_path: Path) -> Non
     index.close()
 
 
-def test_the_directory_is_created_private_and_a_shared_one_is_refused(tmp_path: Path) -> None:
+def test_the_directory_is_created_private_and_a_shared_one_is_refused(
+    tmp_path: Path,
+) -> None:
     new = tmp_path / "a" / "tier"
     check_tier_directory(str(new))
     assert stat.S_IMODE(new.stat().st_mode) == 0o700
@@ -208,7 +218,9 @@ def test_a_tier_larger_than_its_file_system_is_refused(tmp_path: Path) -> None:
     config = OffloadConfig(swap_space_gib=1e6, swap_space_path=str(tmp_path))
     from vllm_cpu_offload.config import check_fits_in_host_memory
 
-    with pytest.raises(OffloadConfigError, match=f"that {tmp_path} can hold; lower --swap-space"):
+    with pytest.raises(
+        OffloadConfigError, match=f"that {tmp_path} can hold; lower --swap-space"
+    ):
         check_fits_in_host_memory(config)
 
 
@@ -216,7 +228,9 @@ def test_per_process_seeded_hashes_are_refused(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     check_stable_block_hashes("sha256")
     check_stable_block_hashes("sha256_cbor")
-    with pytest.raises(OffloadConfigError, match="xxhash seeds them at random per process"):
+    with pytest.raises(
+        OffloadConfigError, match="xxhash seeds them at random per process"
+    ):
         check_stable_block_hashes("xxhash")
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     check_stable_block_hashes("xxhash")
@@ -230,9 +244,12 @@ def test_swap_space_path_round_trips_through_the_extra_config(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("policy", ["prefix_aware", "lru"])
-def test_the_pool_records_what_it_serves_and_restores_it(tmp_path: Path, policy: str) -> None:
-    # A pool backed by an index: finished stores are recorded, evicted blocks cleared, and
-    # a new pool adopts what is left with its chain links; it then stores and evicts as usual.
+def test_the_pool_records_what_it_serves_and_restores_it(
+    tmp_path: Path, policy: str
+) -> None:
+    # A pool backed by an index: finished stores are recorded, evicted blocks cleared,
+    # and a new pool adopts what is left with its chain links; it then stores and evicts
+    # as usual.
     make_tier(tmp_path)
     index, _ = open_index(tmp_path)
     pool = HostBlockPool(4, make_policy(policy, 4), index=index)

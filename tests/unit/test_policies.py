@@ -152,11 +152,16 @@ def test_prefix_aware_admitting_all_evicts_like_lru() -> None:
             store(pool, [f"new{i}"])
         return {key for key in keys if key in pool}
 
-    assert survivors("prefix_aware") == survivors("lru") == {"k0", "k3", "k6", "k7", "k8", "k9"}
+    assert (
+        survivors("prefix_aware")
+        == survivors("lru")
+        == {"k0", "k3", "k6", "k7", "k8", "k9"}
+    )
 
 
 def test_prefix_aware_remembers_evicted_keys_as_reused() -> None:
-    # A key evicted and stored again has proven a reuse: it starts in the protected segment.
+    # A key evicted and stored again has proven a reuse: it starts in the protected
+    # segment.
     pool = HostBlockPool(4, PrefixAwarePolicy(4))
     store(pool, ["r"])
     for key in ["p", "q", "s", "t"]:
@@ -169,7 +174,9 @@ def test_prefix_aware_remembers_evicted_keys_as_reused() -> None:
 
 def test_prefix_aware_sample_flag_follows_the_key_not_the_block() -> None:
     # A block freed from a sampled key and reused for an unsampled one feeds no shadow.
-    policy = PrefixAwarePolicy(2, shadow_blocks=1)  # samples the keys whose hash is even
+    policy = PrefixAwarePolicy(
+        2, shadow_blocks=1
+    )  # samples the keys whose hash is even
     pool = HostBlockPool(2, policy)
     store(pool, [0])
     sampled_block = pool._held[0]

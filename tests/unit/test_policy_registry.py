@@ -1,4 +1,5 @@
-"""Eviction policies named by import path or entry point: a user's class in place of ours."""
+"""Eviction policies named by import path or entry point: a user's class in place of
+ours."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def test_a_policy_class_by_import_path_runs_the_pool() -> None:
     # oldest block goes although it was just looked up.
     assert resolve_policy(FIFO_PATH) is FIFOPolicy
     assert resolve_policy("tests.external_policy.fifo.FIFOPolicy") is FIFOPolicy
-    assert OffloadConfig.from_extra_config({"eviction_policy": FIFO_PATH}).eviction_policy == (
-        FIFO_PATH
-    )
+    assert OffloadConfig.from_extra_config(
+        {"eviction_policy": FIFO_PATH}
+    ).eviction_policy == (FIFO_PATH)
     evicted = {}
     for name in (FIFO_PATH, "lru"):
         pool = HostBlockPool(2, make_policy(name, 2))
@@ -45,14 +46,18 @@ def test_a_policy_class_by_import_path_runs_the_pool() -> None:
     assert isinstance(make_policy("lru", 2), LRUPolicy)
 
 
-def test_a_policy_by_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_policy_by_entry_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # An installed distribution declares the policy in the entry-point group; its name
     # is then as good as a built-in one.
     dist = tmp_path / "fifo_policy_plugin-1.0.dist-info"
     dist.mkdir()
     metadata = "Metadata-Version: 2.1\nName: fifo-policy-plugin\nVersion: 1.0\n"
     (dist / "METADATA").write_text(metadata)
-    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nfifo = {FIFO_PATH}\n")
+    (dist / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\nfifo = {FIFO_PATH}\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "fifo" in available_policy_names()
     assert resolve_policy("fifo") is FIFOPolicy
@@ -68,7 +73,8 @@ def test_a_policy_by_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         ("tests.external_policy.fifo:NotAPolicy", "is not a subclass of"),
         (
             "tests.external_policy.fifo:HalfWrittenPolicy",
-            "does not implement on_access, on_pin, on_ready, on_remove, on_unpin, pop_victim",
+            "does not implement on_access, on_pin, on_ready, on_remove, on_unpin, "
+            "pop_victim",
         ),
         ("tests.external_policy.fifo:", "is not an import path"),
     ],

@@ -19,13 +19,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool
 from vllm_cpu_offload.scheduler.policies import HostBlock, make_policy
 
-KEYS = st.integers(min_value=0, max_value=23)  # few keys: chains overlap and keys return
+KEYS = st.integers(
+    min_value=0, max_value=23
+)  # few keys: chains overlap and keys return
 CHAINS = st.lists(KEYS, min_size=1, max_size=6, unique=True)
 
 
 class PoolMachine(RuleBasedStateMachine):
     policy_name = "lru"
-    chain_aware = False  # whether victims must respect chains (orphans first, leaves only)
+    chain_aware = (
+        False  # whether victims must respect chains (orphans first, leaves only)
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,7 +58,9 @@ class PoolMachine(RuleBasedStateMachine):
             return
         held = list(self.pool._held.values())
         if not victim.orphan:
-            assert victim.num_children == 0, f"evicting {victim} would orphan its children"
+            assert victim.num_children == 0, (
+                f"evicting {victim} would orphan its children"
+            )
             waiting = [b for b in held if b.orphan and b.evictable and b is not victim]
             assert not waiting, f"kept orphans {waiting} and evicted {victim}"
 
@@ -64,7 +70,9 @@ class PoolMachine(RuleBasedStateMachine):
         for event in self.pool.take_events():
             for key in event.keys:
                 if event.kind == "evicted":
-                    assert self.state.get(key) is BlockState.READY, f"evicted {key} not READY"
+                    assert self.state.get(key) is BlockState.READY, (
+                        f"evicted {key} not READY"
+                    )
                     assert self.pins.get(key, 0) == 0, f"evicted pinned {key}"
                     del self.state[key]
                     del self.block_ids[key]
@@ -73,7 +81,9 @@ class PoolMachine(RuleBasedStateMachine):
                     self.state[key] = BlockState.READY
 
     def _keys_in(self, state: BlockState) -> list[int]:
-        return sorted(k for k, s in self.state.items() if s is state and isinstance(k, int))
+        return sorted(
+            k for k, s in self.state.items() if s is state and isinstance(k, int)
+        )
 
     # ----- rules -----
 
@@ -146,7 +156,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(chain=CHAINS)
     def store_under_pressure(self, chain: list[int]) -> None:
-        """A whole store as the connector does it: allocate, then finish successfully."""
+        """A whole store as the connector does it: allocate, then finish
+        successfully."""
         self.allocate(chain, None)
         keys = [k for k in chain if self.state.get(k) is BlockState.STORING]
         mine = [k for k in keys if k not in self.pins]
@@ -164,7 +175,9 @@ class PoolMachine(RuleBasedStateMachine):
         for key in range(24):
             assert self.pool.state_of(key) is self.state.get(key), key
         for pinned in self.pins:
-            assert self.state[pinned] is BlockState.READY, "a pinned block lost its state"
+            assert self.state[pinned] is BlockState.READY, (
+                "a pinned block lost its state"
+            )
         assert self.pool.num_pinned == len(self.pins)
         assert self.pool.num_storing == len(self._keys_in(BlockState.STORING))
 

@@ -1,4 +1,5 @@
-"""The scheduler half, method by method, with vLLM's own Request, block hasher and KV manager."""
+"""The scheduler half, method by method, with vLLM's own Request, block hasher and KV
+manager."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ HASHER = get_request_block_hasher(BS, sha256)
 
 
 class Engine:
-    """vLLM's KV manager plus our scheduler half, stepped the way vLLM's scheduler does."""
+    """vLLM's KV manager plus our scheduler half, stepped the way vLLM's scheduler
+    does."""
 
     def __init__(
         self,
@@ -45,12 +47,18 @@ class Engine:
         sliding_window: int | None = None,
         k: int = 1,
     ) -> None:
-        attn: dict[str, Any] = dict(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+        attn: dict[str, Any] = dict(
+            block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32
+        )
         groups = [KVCacheGroupSpec(["l0"], FullAttentionSpec(**attn))]
-        if sliding_window is not None:  # vLLM's hybrid manager: a full and a window group
+        if (
+            sliding_window is not None
+        ):  # vLLM's hybrid manager: a full and a window group
             swa = SlidingWindowSpec(sliding_window=sliding_window, **attn)
             groups.append(KVCacheGroupSpec(["l1"], swa))
-        config = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups)
+        config = KVCacheConfig(
+            num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups
+        )
         self.kv = KVCacheManager(
             config, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS
         )
@@ -66,10 +74,15 @@ class Engine:
         self.tier.bind_kv_cache_manager(self.kv)
 
     def admit(self, request: Request) -> int:
-        """Lookup, allocation and load plan of a new request (no device hit); returns the hit."""
+        """Lookup, allocation and load plan of a new request (no device hit); returns
+        the hit."""
         hit = self.tier.get_num_new_matched_tokens(request, 0)
-        self.kv.allocate_slots(request, request.num_tokens - hit, num_external_computed_tokens=hit)
-        self.tier.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), hit)
+        self.kv.allocate_slots(
+            request, request.num_tokens - hit, num_external_computed_tokens=hit
+        )
+        self.tier.update_state_after_alloc(
+            request, self.kv.get_block_ids(request.request_id), hit
+        )
         request.num_computed_tokens = hit
         return hit
 
@@ -84,11 +97,15 @@ class Engine:
         return meta
 
     def report(self, *job_ids: int, failed: tuple[int, ...] = ()) -> None:
-        self.tier.update_connector_output(OffloadWorkerReport(Counter(job_ids), set(failed)))
+        self.tier.update_connector_output(
+            OffloadWorkerReport(Counter(job_ids), set(failed))
+        )
 
 
 def _request(req_id: str, tokens: list[int]) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=HASHER)
+    return Request(
+        req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=HASHER
+    )
 
 
 def _prefill(engine: Engine, request: Request) -> OffloadStepMetadata:
@@ -129,14 +146,17 @@ def test_lookup_starts_after_the_device_hit_and_leaves_one_token() -> None:
     meta = _prefill(engine, _request("a", list(range(8))))
     engine.report(meta.stores[0].job_id)
     twin = _request("b", list(range(8)))
-    assert engine.tier.get_num_new_matched_tokens(twin, 0) == BS  # 8 tokens: last block kept
+    assert (
+        engine.tier.get_num_new_matched_tokens(twin, 0) == BS
+    )  # 8 tokens: last block kept
     assert engine.tier.get_num_new_matched_tokens(twin, BS) == 0
     longer = _request("c", list(range(8)) + [99])
     assert engine.tier.get_num_new_matched_tokens(longer, BS) == BS
 
 
 def test_load_plan_pins_host_blocks_until_the_load_is_reported() -> None:
-    # A hit becomes a load into the new device blocks; its host blocks stay pinned till done.
+    # A hit becomes a load into the new device blocks; its host blocks stay pinned till
+    # done.
     engine = Engine()
     meta = _prefill(engine, _request("a", list(range(10))))
     engine.report(meta.stores[0].job_id)
@@ -149,7 +169,9 @@ def test_load_plan_pins_host_blocks_until_the_load_is_reported() -> None:
     assert not meta.stores, "loaded blocks are not stored again"
     engine.report(load.job_id)
     assert engine.tier.pool.num_pinned == 0
-    assert engine.tier.stats.hit_tokens == 2 * BS and engine.tier.stats.loaded_blocks == 2
+    assert (
+        engine.tier.stats.hit_tokens == 2 * BS and engine.tier.stats.loaded_blocks == 2
+    )
 
 
 def test_a_job_completes_once_every_worker_reported_it() -> None:
@@ -164,7 +186,8 @@ def test_a_job_completes_once_every_worker_reported_it() -> None:
 
 
 def test_finished_request_with_store_in_flight_is_freed_late() -> None:
-    # request_finished keeps the device blocks while a store reads them, and says so to workers.
+    # request_finished keeps the device blocks while a store reads them, and says so to
+    # workers.
     engine = Engine()
     busy, idle = _request("a", list(range(10))), _request("b", list(range(20, 30)))
     _prefill(engine, busy)
@@ -182,20 +205,29 @@ def test_store_reported_in_the_finishing_step_frees_the_blocks_in_that_step() ->
     request = _request("a", list(range(10)))
     job = _prefill(engine, request).stores[0].job_id
     assert engine.tier.request_finished(request) is True
-    assert engine.tier.update_connector_output(OffloadWorkerReport(Counter([job]))) == {"a"}
+    assert engine.tier.update_connector_output(OffloadWorkerReport(Counter([job]))) == {
+        "a"
+    }
     assert engine.step({}).delayed_free_req_ids == []
 
 
 def test_store_still_in_flight_is_handed_to_the_workers_once() -> None:
-    # A store not in the finishing step's report: the workers hold the blocks and report them.
+    # A store not in the finishing step's report: the workers hold the blocks and report
+    # them.
     engine = Engine(workers=2)
     request = _request("a", list(range(10)))
     job = _prefill(engine, request).stores[0].job_id
     engine.tier.request_finished(request)
-    assert engine.tier.update_connector_output(OffloadWorkerReport(Counter([job]))) == set()
+    assert (
+        engine.tier.update_connector_output(OffloadWorkerReport(Counter([job])))
+        == set()
+    )
     assert engine.step({}).delayed_free_req_ids == ["a"]
     # The second worker's report comes after the hand-over: the workers free it, not us.
-    assert engine.tier.update_connector_output(OffloadWorkerReport(Counter([job]))) == set()
+    assert (
+        engine.tier.update_connector_output(OffloadWorkerReport(Counter([job])))
+        == set()
+    )
     assert engine.step({}).delayed_free_req_ids == []
 
 
@@ -218,8 +250,8 @@ def test_failed_store_frees_its_blocks_and_failed_load_unpins() -> None:
 
 
 def test_preemption_restarts_the_store_plan() -> None:
-    # A preempted request lost its device blocks; the next plan starts from block 0 again,
-    # and skips what the host tier holds already.
+    # A preempted request lost its device blocks; the next plan starts from block 0
+    # again, and skips what the host tier holds already.
     engine = Engine()
     request = _request("a", list(range(10)))
     engine.report(_prefill(engine, request).stores[0].job_id)
@@ -251,7 +283,9 @@ def test_reset_cache_drops_every_ready_block() -> None:
     engine.report(_prefill(engine, _request("a", list(range(10)))).stores[0].job_id)
     assert engine.tier.reset_cache() is True
     assert engine.tier.pool.num_used == 0
-    assert engine.tier.get_num_new_matched_tokens(_request("b", list(range(10))), 0) == 0
+    assert (
+        engine.tier.get_num_new_matched_tokens(_request("b", list(range(10))), 0) == 0
+    )
 
 
 @pytest.mark.parametrize("policy", ["lru", "prefix_aware"])
@@ -292,8 +326,9 @@ def test_hybrid_groups_store_every_group_and_load_only_the_window() -> None:
 
 def test_hybrid_hit_stops_where_the_window_group_lacks_a_block() -> None:
     # The host tier holds blocks 0-5 of the full group but only 0-4 of the window group.
-    # A 6-block hit would need window block 5; a 5-block hit needs window blocks 3 and 4,
-    # so the hit is 5 blocks. Without window block 4 either, only 4 blocks can be served.
+    # A 6-block hit would need window block 5; a 5-block hit needs window blocks 3 and
+    # 4, so the hit is 5 blocks. Without window block 4 either, only 4 blocks can be
+    # served.
     engine = Engine(host_blocks=16, sliding_window=8)
     pool = engine.tier.pool
     request = _request("b", list(range(26)))
@@ -316,9 +351,9 @@ def test_hybrid_hit_stops_where_the_window_group_lacks_a_block() -> None:
 
 
 def test_host_blocks_of_two_device_blocks() -> None:
-    # k = 2: a 26-token prompt (6 full blocks) is stored as 3 host blocks, each keyed by its
-    # last device block's hash and copied into two consecutive host slots. A 22-token prompt
-    # (5 full blocks) stores only the 2 host blocks it fills.
+    # k = 2: a 26-token prompt (6 full blocks) is stored as 3 host blocks, each keyed by
+    # its last device block's hash and copied into two consecutive host slots. A
+    # 22-token prompt (5 full blocks) stores only the 2 host blocks it fills.
     engine = Engine(host_blocks=8, k=2)
     first = _request("a", list(range(26)))
     (store,) = _prefill(engine, first).stores
@@ -335,29 +370,34 @@ def test_host_blocks_of_two_device_blocks() -> None:
     (short,) = _prefill(engine, other).stores
     assert len(short.device_block_ids) == 4
 
-    # A twin loads all 6 blocks into the slots they were stored in; after a device hit of
-    # one block, the hit still ends at a host block's end (5 more blocks).
+    # A twin loads all 6 blocks into the slots they were stored in; after a device hit
+    # of one block, the hit still ends at a host block's end (5 more blocks).
     twin = _request("c", list(range(26)))
     assert engine.tier.get_num_new_matched_tokens(twin, BS) == 5 * BS
     assert engine.admit(twin) == 6 * BS
     (load,) = engine.tier.build_connector_meta(SchedulerOutput.make_empty()).loads
     assert load.device_block_ids == engine.kv.get_block_ids("c")[0][:6]
     assert load.host_block_ids == slots
-    # 24 tokens: the third host block would cover the last token, which must be computed,
-    # and a hit ends where a host block ends.
-    assert engine.tier.get_num_new_matched_tokens(_request("d", list(range(24))), 0) == 4 * BS
+    # 24 tokens: the third host block would cover the last token, which must be
+    # computed, and a hit ends where a host block ends.
+    assert (
+        engine.tier.get_num_new_matched_tokens(_request("d", list(range(24))), 0)
+        == 4 * BS
+    )
 
 
 def test_resumed_hybrid_request_stores_around_the_window_groups_null_blocks() -> None:
     # A twin resumed from the host tier holds vLLM's null block for window blocks 0-3.
-    # The host tier then loses everything (a reset stands in for evictions), and the twin is
-    # preempted: its store plan restarts at block 0 and stores every block it holds, all 7
-    # of the full group and window blocks 4-6, never the null block.
+    # The host tier then loses everything (a reset stands in for evictions), and the
+    # twin is preempted: its store plan restarts at block 0 and stores every block it
+    # holds, all 7 of the full group and window blocks 4-6, never the null block.
     engine = Engine(host_blocks=16, sliding_window=8)
     engine.report(_prefill(engine, _request("a", list(range(26)))).stores[0].job_id)
     twin = _request("b", list(range(26)))
     assert engine.admit(twin) == 6 * BS
-    engine.report(engine.tier.build_connector_meta(SchedulerOutput.make_empty()).loads[0].job_id)
+    engine.report(
+        engine.tier.build_connector_meta(SchedulerOutput.make_empty()).loads[0].job_id
+    )
     engine.tier.pool.reset()
     engine.step({}, preempted={"b"})
     twin.append_output_token_ids([1, 2])  # 28 tokens: block 6 is full after this step

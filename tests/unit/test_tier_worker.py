@@ -41,40 +41,57 @@ def test_store_then_load_round_trips_the_bytes_and_reports_both_jobs() -> None:
     for name, t in caches.items():
         assert torch.equal(t[1], expected[name])
     report = worker.take_report()
-    assert report is not None and dict(report.finished) == {1: 1, 2: 1} and not report.failed
+    assert (
+        report is not None
+        and dict(report.finished) == {1: 1, 2: 1}
+        and not report.failed
+    )
     assert worker.take_report() is None
     stats = worker.take_stats()
     assert stats is not None and stats.data["store_seconds"] > 0
 
 
 def test_failed_load_reports_its_device_blocks_for_recompute() -> None:
-    # A host id out of range fails its job only; vLLM is told which device blocks to redo.
+    # A host id out of range fails its job only; vLLM is told which device blocks to
+    # redo.
     worker, _ = _worker()
     meta = OffloadStepMetadata(
-        loads=[BlockTransfer(7, "a", [3, 4], [0, HOST_BLOCKS + 5]), BlockTransfer(8, "b", [6], [1])]
+        loads=[
+            BlockTransfer(7, "a", [3, 4], [0, HOST_BLOCKS + 5]),
+            BlockTransfer(8, "b", [6], [1]),
+        ]
     )
     _step(worker, meta)
     assert worker.take_load_errors() == {3, 4}
     report = worker.take_report()
-    assert report is not None and report.failed == {7} and dict(report.finished) == {8: 1}
+    assert (
+        report is not None and report.failed == {7} and dict(report.finished) == {8: 1}
+    )
 
 
 def test_delayed_free_is_reported_once_the_request_has_no_store_left() -> None:
-    # The scheduler held request a's blocks; the worker releases a once its stores are done.
+    # The scheduler held request a's blocks; the worker releases a once its stores are
+    # done.
     worker, _ = _worker()
-    assert _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, "a", [2], [0])])) is None
+    assert (
+        _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, "a", [2], [0])]))
+        is None
+    )
     assert _step(worker, OffloadStepMetadata(delayed_free_req_ids=["a"])) == {"a"}
     assert _step(worker, OffloadStepMetadata()) is None
 
 
-def test_injected_faults_fail_the_chosen_share_uncopied(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_injected_faults_fail_the_chosen_share_uncopied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The test-only knob at share 1: every load and store fails, nothing is copied, the
     # load's device blocks go back to vLLM for recompute, the request is not held.
     monkeypatch.setenv("VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE", "1")
     worker, caches = _worker()
     before = {name: t.clone() for name, t in caches.items()}
     meta = OffloadStepMetadata(
-        stores=[BlockTransfer(1, "a", [5], [2])], loads=[BlockTransfer(2, "b", [1], [3])]
+        stores=[BlockTransfer(1, "a", [5], [2])],
+        loads=[BlockTransfer(2, "b", [1], [3])],
     )
     _step(worker, meta)
     assert all(torch.equal(t, before[name]) for name, t in caches.items())
@@ -85,7 +102,9 @@ def test_injected_faults_fail_the_chosen_share_uncopied(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "often"])
-def test_fault_share_out_of_range_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+def test_fault_share_out_of_range_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
     # A bad knob is a clear error, not a silent no-op.
     monkeypatch.setenv("VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE", value)
     with pytest.raises(ValueError, match="VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE"):

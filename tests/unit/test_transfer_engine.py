@@ -1,4 +1,5 @@
-"""TransferEngine: job bookkeeping and the CPU path; the CUDA stream path where CUDA exists."""
+"""TransferEngine: job bookkeeping and the CPU path; the CUDA stream path where CUDA
+exists."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ NUM_LAYERS, NUM_BLOCKS, NUM_HOST_BLOCKS = 3, 8, 6
 
 
 def _caches(device: str = "cpu") -> dict[str, torch.Tensor]:
-    """vLLM's CPU layout (LBHNC): all layers in one buffer, [B, H, N, 2 * D] per layer."""
-    raw = torch.randn(NUM_LAYERS, NUM_BLOCKS, 2, 4, 16, device=device).to(torch.bfloat16)
+    """The CPU layout of vLLM (LBHNC): all layers in one buffer, [B, H, N, 2 * D] per
+    layer."""
+    raw = torch.randn(NUM_LAYERS, NUM_BLOCKS, 2, 4, 16, device=device).to(
+        torch.bfloat16
+    )
     return {f"model.layers.{i}.attn": raw[i] for i in range(NUM_LAYERS)}
 
 
@@ -40,7 +44,9 @@ def _device_block(t: torch.Tensor, d: int) -> torch.Tensor:
     return t[d].contiguous().view(-1).view(torch.uint8).cpu()
 
 
-def _store_step(engine: TransferEngine, names: Sequence[str], jobs: list[TransferJob]) -> None:
+def _store_step(
+    engine: TransferEngine, names: Sequence[str], jobs: list[TransferJob]
+) -> None:
     for name in names:
         engine.store_layer(name, jobs)
     engine.finish_step()
@@ -50,7 +56,10 @@ def test_store_step_reports_jobs_and_copies_every_layer() -> None:
     # Two store jobs, every layer's hook called: both finished, bytes on the host.
     caches = _caches()
     engine = _engine(caches)
-    jobs = [TransferJob(7, [3, 4], [0, 1]), TransferJob(8, torch.tensor([6]), torch.tensor([5]))]
+    jobs = [
+        TransferJob(7, [3, 4], [0, 1]),
+        TransferJob(8, torch.tensor([6]), torch.tensor([5])),
+    ]
     _store_step(engine, list(caches), jobs)
     assert engine.poll_finished() == FinishedJobs(stores={7, 8})
     for name, t in caches.items():
@@ -73,7 +82,9 @@ def test_loads_are_synchronous_on_cpu() -> None:
     # Host -> device at start_loads; waiting for a layer is free; reported as loads.
     caches = _caches()
     engine = _engine(caches)
-    engine.host.tensor.copy_(torch.randint(0, 256, engine.host.tensor.shape, dtype=torch.uint8))
+    engine.host.tensor.copy_(
+        torch.randint(0, 256, engine.host.tensor.shape, dtype=torch.uint8)
+    )
     engine.start_loads([TransferJob(3, [5, 1], [2, 4])])
     for name, t in caches.items():
         engine.wait_for_layer_load(name)
@@ -121,8 +132,14 @@ def test_a_raising_copy_fails_its_job_not_the_step(direction: str) -> None:
     # The copy of job 2 raises: job 2 is failed, jobs 1 and 3 complete, nothing escapes.
     caches = _caches()
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
-    engine = TransferEngine(caches, host, copier=_FailOn(TorchBlockCopier(caches, host), 4))
-    jobs = [TransferJob(1, [0], [0]), TransferJob(2, [4], [1]), TransferJob(3, [5], [2])]
+    engine = TransferEngine(
+        caches, host, copier=_FailOn(TorchBlockCopier(caches, host), 4)
+    )
+    jobs = [
+        TransferJob(1, [0], [0]),
+        TransferJob(2, [4], [1]),
+        TransferJob(3, [5], [2]),
+    ]
     if direction == "store":
         _store_step(engine, list(caches), jobs)
         assert engine.poll_finished() == FinishedJobs(stores={1, 3}, failed={2})
@@ -178,7 +195,10 @@ def test_cpu_stack_covers_all_layers_of_one_buffer() -> None:
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     assert TorchBlockCopier(caches, host).num_stacks == 1
     separate = {n: t.clone() for n, t in caches.items()}
-    assert TorchBlockCopier(separate, HostBuffer.for_kv_caches(separate, 2)).num_stacks == 3
+    assert (
+        TorchBlockCopier(separate, HostBuffer.for_kv_caches(separate, 2)).num_stacks
+        == 3
+    )
 
 
 def test_runs_merge_consecutive_pairs() -> None:
@@ -196,7 +216,9 @@ def test_runs_merge_consecutive_pairs() -> None:
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _cuda_copier(kind: str, caches: dict[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
+def _cuda_copier(
+    kind: str, caches: dict[str, torch.Tensor], host: HostBuffer
+) -> BlockCopier:
     if kind == "triton":
         from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
 
@@ -221,7 +243,9 @@ def test_cuda_step_loads_layer_by_layer_and_stores_async(kind: str) -> None:
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     host.tensor.zero_()
     engine = TransferEngine(caches, host, copier=_cuda_copier(kind, caches, host))
-    engine.host.tensor.copy_(torch.randint(0, 256, engine.host.tensor.shape, dtype=torch.uint8))
+    engine.host.tensor.copy_(
+        torch.randint(0, 256, engine.host.tensor.shape, dtype=torch.uint8)
+    )
     engine.start_loads([TransferJob(1, [5, 1], [2, 4])])
     stores = [TransferJob(2, [3], [0])]
     for name, t in caches.items():
@@ -243,7 +267,9 @@ def test_cuda_failed_launch_is_reported() -> None:
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
 
-    engine = TransferEngine(caches, host, copier=_FailOn(TritonBlockCopier(caches, host), 4))
+    engine = TransferEngine(
+        caches, host, copier=_FailOn(TritonBlockCopier(caches, host), 4)
+    )
     engine.start_loads([TransferJob(1, [4], [0])])
     _store_step(engine, list(caches), [TransferJob(2, [1], [1])])
     engine.wait_all()
@@ -287,7 +313,8 @@ def test_cuda_backend_choice() -> None:
 @pytest.mark.cuda
 @cuda
 def test_cuda_dma_stores_wait_for_the_step_and_land() -> None:
-    # Auto backend with 64 KiB runs: stores defer to finish_step and copy what compute wrote.
+    # Auto backend with 64 KiB runs: stores defer to finish_step and copy what compute
+    # wrote.
     raw = torch.randn(3, 6, 8, 16, 256, device="cuda").to(torch.bfloat16)
     caches = {f"layer.{i}": raw[i] for i in range(3)}
     host = HostBuffer.for_kv_caches(caches, 4)
@@ -308,8 +335,8 @@ def test_cuda_dma_stores_wait_for_the_step_and_land() -> None:
 @cuda
 def test_cuda_shared_tensor_is_stored_after_its_last_writer() -> None:
     # vLLM's hybrid manager: layer i of the full group and layer i of the window group
-    # share one tensor, each writing the blocks its group owns. A store of that tensor is
-    # queued only once both layers ran; the copy then holds both layers' writes.
+    # share one tensor, each writing the blocks its group owns. A store of that tensor
+    # is queued only once both layers ran; the copy then holds both layers' writes.
     caches = _caches("cuda")
     names = list(caches)
     shared = {**caches, **{f"{n}.window": caches[n] for n in names}}
@@ -334,9 +361,10 @@ def test_cuda_shared_tensor_is_stored_after_its_last_writer() -> None:
 @pytest.mark.cuda
 @cuda
 def test_cuda_fenced_step_waits_for_the_stores_still_running() -> None:
-    # With fence_stores, the next step's compute may overwrite a block a store still reads
-    # (a window group released it), so it starts only once the store stream is done: here
-    # the store stream is held ~50 ms, and the next step's first compute has not run 5 ms in.
+    # With fence_stores, the next step's compute may overwrite a block a store still
+    # reads (a window group released it), so it starts only once the store stream is
+    # done: here the store stream is held ~50 ms, and the next step's first compute has
+    # not run 5 ms in.
     caches = _caches("cuda")
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     host.tensor.zero_()
@@ -344,8 +372,8 @@ def test_cuda_fenced_step_waits_for_the_stores_still_running() -> None:
         caches, host, copier=_cuda_copier("triton", caches, host), fence_stores=True
     )
     before = {name: _device_block(t, 4) for name, t in caches.items()}
-    # Load the kernels used below now: CUDA loads a module lazily at its first launch, and
-    # that launch waits for the device to be idle, the store stream included.
+    # Load the kernels used below now: CUDA loads a module lazily at its first launch,
+    # and that launch waits for the device to be idle, the store stream included.
     torch.cuda._sleep(1)
     torch.empty_like(caches[next(iter(caches))][4]).zero_()
     torch.cuda.synchronize()
@@ -361,7 +389,9 @@ def test_cuda_fenced_step_waits_for_the_stores_still_running() -> None:
     for t in caches.values():
         t[4].zero_()
     time.sleep(0.005)
-    assert not first_compute.query(), "the next step's compute did not wait for the stores"
+    assert not first_compute.query(), (
+        "the next step's compute did not wait for the stores"
+    )
     engine.wait_all()
     for name in caches:
         assert torch.equal(_host_block(engine, name, 2), before[name])

@@ -1,8 +1,9 @@
-"""The pytest plugin that loads this package into vLLM's own test suite (tests/vllm_suite).
+"""The pytest plugin that loads this package into vLLM's own test suite
+(tests/vllm_suite).
 
-Its counts are only "plugin loaded" counts if a test that ran without the plugin in place
-fails: here a test removes our connector from vLLM's registry and must be reported failed,
-while its neighbour, which leaves vLLM alone, passes.
+Its counts are only "plugin loaded" counts if a test that ran without the plugin in
+place fails: here a test removes our connector from vLLM's registry and must be reported
+failed, while its neighbour, which leaves vLLM alone, passes.
 """
 
 from __future__ import annotations

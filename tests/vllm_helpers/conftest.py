@@ -1,5 +1,5 @@
-"""The source distribution (its tests/ and benchmarks/) of the installed vLLM, fetched once
-per session."""
+"""The source distribution (its tests/ and benchmarks/) of the installed vLLM, fetched
+once per session."""
 
 from __future__ import annotations
 
@@ -22,5 +22,7 @@ def vllm_sdist() -> Path:
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, f"fetching vLLM's source distribution failed: {proc.stderr}"
+    assert proc.returncode == 0, (
+        f"fetching vLLM's source distribution failed: {proc.stderr}"
+    )
     return Path(proc.stdout.strip())

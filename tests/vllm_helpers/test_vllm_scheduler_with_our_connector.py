@@ -2,14 +2,15 @@
 
 The helpers come from vLLM 0.32.0's tests (`tests/v1/kv_connector/unit/utils.py` of its
 source distribution, fetched by `scripts/fetch_vllm_sdist.sh`): `create_vllm_config`,
-`create_scheduler`, `create_request`, `create_model_runner_output`, `assert_scheduler_empty`.
-A scheduler-role connector (inside vLLM's Scheduler) and a worker-role connector on CPU
-tensors are paired; each step the worker's report goes back into the Scheduler.
+`create_scheduler`, `create_request`, `create_model_runner_output`,
+`assert_scheduler_empty`. A scheduler-role connector (inside vLLM's Scheduler) and a
+worker-role connector on CPU tensors are paired; each step the worker's report goes back
+into the Scheduler.
 
-The "forward pass" writes each computed token's id into its KV slot, and checks first that
-every slot the step reads as already computed (device hit, host load, or earlier step)
-holds its token's id. So a wrong load, a block freed too early or a stale host block shows
-as a wrong value, whichever path brought it.
+The "forward pass" writes each computed token's id into its KV slot, and checks first
+that every slot the step reads as already computed (device hit, host load, or earlier
+step) holds its token's id. So a wrong load, a block freed too early or a stale host
+block shows as a wrong value, whichever path brought it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ PAGE_BYTES = BLOCK_SIZE * 2 * 4  # one layer, one KV head, head size 1, K and V,
 
 @pytest.fixture(scope="module")
 def vllm_utils(vllm_sdist: Path) -> ModuleType:
-    """vLLM's tests/v1/kv_connector/unit/utils.py, loaded under a name of its own (our
+    """The module tests/v1/kv_connector/unit/utils.py of vLLM, under another name (our
     tests package is also called `tests`)."""
     path = vllm_sdist / "tests" / "v1" / "kv_connector" / "unit" / "utils.py"
     spec = importlib.util.spec_from_file_location("vllm_kv_connector_test_utils", path)
@@ -45,7 +46,8 @@ def vllm_utils(vllm_sdist: Path) -> ModuleType:
 
 
 class Engine:
-    """vLLM's Scheduler (with our scheduler-role connector) and our worker-role connector."""
+    """vLLM's Scheduler (with our scheduler-role connector) and our worker-role
+    connector."""
 
     def __init__(self, utils: ModuleType, model: str) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -66,7 +68,9 @@ class Engine:
             kv_connector="CPUOffloadConnector",
             kv_connector_module_path="vllm_cpu_offload.connector",
             kv_role="kv_both",
-            kv_connector_extra_config={"swap_space_gib": HOST_BLOCKS * PAGE_BYTES / (1 << 30)},
+            kv_connector_extra_config={
+                "swap_space_gib": HOST_BLOCKS * PAGE_BYTES / (1 << 30)
+            },
             kv_load_failure_policy="recompute",
         )
         spec = FullAttentionSpec(
@@ -89,8 +93,8 @@ class Engine:
         self.invalid_blocks = 0
 
     def _forward(self, num_scheduled: dict[str, int]) -> set[int]:
-        """Checks the slots read as computed, writes the computed ones; returns the device
-        blocks whose slots were wrong."""
+        """Checks the slots read as computed, writes the computed ones; returns the
+        device blocks whose slots were wrong."""
         manager = self.scheduler.kv_cache_manager
         wrong: set[int] = set()
         for req_id, count in num_scheduled.items():
@@ -121,8 +125,8 @@ class Engine:
         self.worker.wait_for_save()
         finished_sending, _ = self.worker.get_finished(set(out.finished_req_ids))
         invalid = self.worker.get_block_ids_with_load_errors()
-        # Only blocks whose load failed may be wrong; vLLM discards this step's output for
-        # their requests and recomputes them.
+        # Only blocks whose load failed may be wrong; vLLM discards this step's output
+        # for their requests and recomputes them.
         assert wrong <= invalid, f"wrong KV in device blocks {sorted(wrong - invalid)}"
         self.invalid_blocks += len(invalid)
         report = self.worker.build_connector_worker_meta()
@@ -147,7 +151,10 @@ class Engine:
 
     def request(self, seed: int, num_tokens: int, max_tokens: int = 8) -> Any:
         request = self.utils.create_request(
-            request_id=seed, num_tokens=num_tokens, max_tokens=max_tokens, block_size=BLOCK_SIZE
+            request_id=seed,
+            num_tokens=num_tokens,
+            max_tokens=max_tokens,
+            block_size=BLOCK_SIZE,
         )
         return request
 
@@ -167,7 +174,9 @@ def _assert_drained(engine: Engine) -> None:
 
 def test_lifecycle_drains_the_scheduler_empty(engine: Engine) -> None:
     # Requests prefill, decode past block boundaries (stores) and finish: nothing leaks.
-    engine.run(*(engine.request(i, 3 * BLOCK_SIZE + 5, max_tokens=40) for i in range(1, 4)))
+    engine.run(
+        *(engine.request(i, 3 * BLOCK_SIZE + 5, max_tokens=40) for i in range(1, 4))
+    )
     _assert_drained(engine)
     assert engine.tier.stats.stored_blocks >= 3 * 4
 
@@ -186,9 +195,12 @@ def test_evicted_prefix_comes_back_from_the_host_tier(engine: Engine) -> None:
     _assert_drained(engine)
 
 
-def test_failed_loads_are_recomputed_through_vllms_invalid_blocks(engine: Engine) -> None:
-    # Stores succeed, then every load fails on the worker (the test-only fault injector):
-    # vLLM's invalid-block path recomputes the blocks and the request finishes with right KV.
+def test_failed_loads_are_recomputed_through_vllms_invalid_blocks(
+    engine: Engine,
+) -> None:
+    # Stores succeed, then every load fails on the worker (the test-only fault
+    # injector): vLLM's invalid-block path recomputes the blocks and the request
+    # finishes with right KV.
     from vllm_cpu_offload.worker.fault_injection import FaultInjector
 
     engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
@@ -204,25 +216,32 @@ def test_failed_loads_are_recomputed_through_vllms_invalid_blocks(engine: Engine
 
 
 def test_preemption_under_pressure_keeps_every_slot_right(engine: Engine) -> None:
-    # Five requests whose decodes outgrow the device cache: vLLM preempts and resumes them
-    # (resumed ones may load their stored blocks back); every request finishes.
-    requests = [engine.request(10 + i, 3 * BLOCK_SIZE + 5, max_tokens=120) for i in range(5)]
+    # Five requests whose decodes outgrow the device cache: vLLM preempts and resumes
+    # them (resumed ones may load their stored blocks back); every request finishes.
+    requests = [
+        engine.request(10 + i, 3 * BLOCK_SIZE + 5, max_tokens=120) for i in range(5)
+    ]
     engine.run(*requests, max_steps=2000)
     assert engine.tier.stats.preempted_requests > 0, "the scenario did not preempt"
     assert all(len(r.output_token_ids) == 120 for r in requests)
     _assert_drained(engine)
 
 
-def test_sleep_sequence_empties_the_tier_and_keeps_every_slot_right(engine: Engine) -> None:
-    # vLLM 0.33's sleep (levels 1-2): pause and reset the prefix cache with the connector's
-    # (scheduler side), unregister_kv_caches (worker), the KV memory is released (its contents
-    # are gone), then restore_kv_caches on wake-up. The host tier must be empty afterwards
-    # (its blocks may belong to replaced weights), and a re-read recomputes rather than loads.
+def test_sleep_sequence_empties_the_tier_and_keeps_every_slot_right(
+    engine: Engine,
+) -> None:
+    # vLLM 0.33's sleep (levels 1-2): pause and reset the prefix cache with the
+    # connector's (scheduler side), unregister_kv_caches (worker), the KV memory is
+    # released (its contents are gone), then restore_kv_caches on wake-up. The host tier
+    # must be empty afterwards (its blocks may belong to replaced weights), and a
+    # re-read recomputes rather than loads.
     engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
     for seed in (2, 3, 4, 5, 6):
         engine.run(engine.request(seed, 6 * BLOCK_SIZE))
     assert len(engine.tier.pool) > 0
-    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    assert engine.scheduler.reset_prefix_cache(
+        reset_running_requests=True, reset_connector=True
+    )
     engine.worker.unregister_kv_caches()
     engine.kv.fill_(-1.0)  # what the device memory holds after wake-up is undefined
     engine.worker.restore_kv_caches()

@@ -1,10 +1,10 @@
 """Config-only stand-ins for the Hugging Face models vLLM's unit-test helpers name.
 
-Those helpers build a `ModelConfig` for a hub model (facebook/opt-125m, ...) only to read its
-architecture and sizes; no test here loads weights or a tokenizer. This machine cannot reach
-the hub, so each model gets its config.json in a Hugging Face cache laid out as the hub
-client writes it, and the suite runs with HF_HUB_OFFLINE=1 against that cache. The sizes are
-the published ones, since some tests derive block counts from them.
+Those helpers build a `ModelConfig` for a hub model (facebook/opt-125m, ...) only to
+read its architecture and sizes; no test here loads weights or a tokenizer. This machine
+cannot reach the hub, so each model gets its config.json in a Hugging Face cache laid
+out as the hub client writes it, and the suite runs with HF_HUB_OFFLINE=1 against that
+cache. The sizes are the published ones, since some tests derive block counts from them.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def write(hf_home: Path) -> Path:
-    """Writes every stand-in under hf_home/hub (idempotent); returns hf_home for HF_HOME."""
+    """Writes every stand-in under hf_home/hub (idempotent); returns hf_home for
+    HF_HOME."""
     hub = hf_home / "hub"
     for repo, config in CONFIGS.items():
         entry = hub / ("models--" + repo.replace("/", "--"))

@@ -1,8 +1,8 @@
 """A pytest plugin (`-p outcome_log`) that writes every test's outcome as JSON lines.
 
-The runner reads these instead of junit XML, whose class names cannot be turned back into
-node ids that pytest accepts on its command line. It imports neither vLLM nor this package,
-so it is the same in a plain run and in a run with the plugin loaded.
+The runner reads these instead of junit XML, whose class names cannot be turned back
+into node ids that pytest accepts on its command line. It imports neither vLLM nor this
+package, so it is the same in a plain run and in a run with the plugin loaded.
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
-"""Runs vLLM 0.32.0's own unit tests with this package loaded and prints per-file counts.
+"""Runs vLLM 0.32.0's own unit tests with this package loaded and prints per-file
+counts.
 
-    python -m tests.vllm_suite.run                # plugin loaded; CI runs this
-    python -m tests.vllm_suite.run --mode both    # plain and plugin loaded, side by side
-    python -m tests.vllm_suite.run --all          # every file of the four folders (selection.py)
+    python -m tests.vllm_suite.run # plugin loaded; CI runs this python -m
+    tests.vllm_suite.run --mode both # plain and plugin loaded, side by side python -m
+    tests.vllm_suite.run --all # every file of the four folders (selection.py)
 
-The tests come from vLLM's source distribution (scripts/fetch_vllm_sdist.sh), run from its
-root on the installed vLLM, offline, against config-only stand-ins of the hub models their
-helpers name (hub_standins.py). "plain" runs them with VLLM_PLUGINS=none, so neither vLLM nor
-the import hook applies the plugin; "plugin" forces it in before collection
-(vllm_cpu_offload.testing.vllm_suite_plugin), which fails a test after which it is gone.
+The tests come from vLLM's source distribution (scripts/fetch_vllm_sdist.sh), run from
+its root on the installed vLLM, offline, against config-only stand-ins of the hub models
+their helpers name (hub_standins.py). "plain" runs them with VLLM_PLUGINS=none, so
+neither vLLM nor the import hook applies the plugin; "plugin" forces it in before
+collection (vllm_cpu_offload.testing.vllm_suite_plugin), which fails a test after which
+it is gone.
 
-A test that fails with the plugin loaded is rerun plain: if it passes there, the failure is
-ours and the run fails; if it fails there too, it is vLLM's on this machine and is reported.
+A test that fails with the plugin loaded is rerun plain: if it passes there, the failure
+is ours and the run fails; if it fails there too, it is vLLM's on this machine and is
+reported.
 """
 
 from __future__ import annotations
@@ -33,8 +36,18 @@ from tests.vllm_suite.selection import ALL_FILES, DESELECTED, FILES
 
 REPO = Path(__file__).resolve().parents[2]
 SUITE_DIR = Path(__file__).resolve().parent
-RUN_TIMEOUT_S = 45 * 60  # the selection takes about 8 min here; a hang must not stall CI
-COLUMNS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "collection error")
+RUN_TIMEOUT_S = (
+    45 * 60
+)  # the selection takes about 8 min here; a hang must not stall CI
+COLUMNS = (
+    "passed",
+    "failed",
+    "error",
+    "skipped",
+    "xfailed",
+    "xpassed",
+    "collection error",
+)
 
 Outcomes = dict[str, str]  # node id -> outcome
 
@@ -57,13 +70,14 @@ def cache_dir() -> Path:
 def run_pytest(
     sdist: Path, mode: str, targets: list[str], hf_home: Path, workers: int
 ) -> tuple[int, Outcomes]:
-    """Runs pytest in the sdist's root; returns its exit code and every test's outcome."""
+    """Runs pytest in the sdist's root; returns its exit code and every test's
+    outcome."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "outcomes.jsonl"
-        # vLLM's tests get no pytest configuration but their own conftest files, and node
-        # ids relative to the sdist, wherever it lies: without these, an sdist inside this
-        # repository (VLLM_CPU_OFFLOAD_CACHE=./.cache in CI) would pick up this repo's
-        # pyproject.toml, and the ids of DESELECTED would not match.
+        # vLLM's tests get no pytest configuration but their own conftest files, and
+        # node ids relative to the sdist, wherever it lies: without these, an sdist
+        # inside this repository (VLLM_CPU_OFFLOAD_CACHE=./.cache in CI) would pick up
+        # this repo's pyproject.toml, and the ids of DESELECTED would not match.
         ini = Path(tmp) / "pytest.ini"
         ini.write_text("[pytest]\n")
         env = dict(os.environ)
@@ -72,9 +86,20 @@ def run_pytest(
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             VLLM_SUITE_OUTCOMES=str(log),
-            PYTHONPATH=os.pathsep.join(filter(None, [str(SUITE_DIR), env.get("PYTHONPATH")])),
+            PYTHONPATH=os.pathsep.join(
+                filter(None, [str(SUITE_DIR), env.get("PYTHONPATH")])
+            ),
         )
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outcome_log"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "outcome_log",
+        ]
         cmd += ["-c", str(ini), "--rootdir", str(sdist)]
         if mode == "plain":
             env["VLLM_PLUGINS"] = "none"
@@ -124,11 +149,21 @@ def print_table(runs: dict[str, Outcomes]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("plugin", "plain", "both"), default="plugin")
-    parser.add_argument("--sdist", type=Path, help="an unpacked vLLM 0.32.0 sdist (default: fetch)")
-    parser.add_argument("--all", action="store_true", help="every file of the four folders")
-    parser.add_argument("--json", type=Path, help="write every outcome per mode to this file")
-    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist processes (1: none)")
-    parser.add_argument("targets", nargs="*", help="files or node ids (default: the selection)")
+    parser.add_argument(
+        "--sdist", type=Path, help="an unpacked vLLM 0.32.0 sdist (default: fetch)"
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="every file of the four folders"
+    )
+    parser.add_argument(
+        "--json", type=Path, help="write every outcome per mode to this file"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="pytest-xdist processes (1: none)"
+    )
+    parser.add_argument(
+        "targets", nargs="*", help="files or node ids (default: the selection)"
+    )
     args = parser.parse_args()
 
     sdist = args.sdist or fetch_sdist()
@@ -139,7 +174,9 @@ def main() -> int:
     codes: dict[str, int] = {}
     for mode in modes:
         start = time.monotonic()
-        codes[mode], runs[mode] = run_pytest(sdist, mode, targets, hf_home, args.workers)
+        codes[mode], runs[mode] = run_pytest(
+            sdist, mode, targets, hf_home, args.workers
+        )
         print(f"{mode}: pytest exit {codes[mode]} in {time.monotonic() - start:.0f} s")
     print_table(runs)
     if args.json:
@@ -157,11 +194,16 @@ def main() -> int:
         ok = False
     failed = failures(runs.get("plugin", {}))
     if failed:
-        plain = runs.get("plain") or run_pytest(sdist, "plain", failed, hf_home, args.workers)[1]
+        plain = (
+            runs.get("plain")
+            or run_pytest(sdist, "plain", failed, hf_home, args.workers)[1]
+        )
         ours = [node for node in failed if plain.get(node) == "passed"]
         theirs = [node for node in failed if node not in ours]
         for node in theirs:
-            print(f"fails without the plugin too ({plain.get(node, 'not run')}): {node}")
+            print(
+                f"fails without the plugin too ({plain.get(node, 'not run')}): {node}"
+            )
         for node in ours:
             print(f"FAIL: fails only with the plugin loaded: {node}")
         ok = ok and not ours

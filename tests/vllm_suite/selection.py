@@ -1,14 +1,15 @@
 """Which of vLLM 0.32.0's tests the suite runs, and what it leaves out, with the reason.
 
-CI runs `FILES`: vLLM's scheduler, KV cache manager and prefix-caching tests (tests/v1/core)
-and its connector-generic tests (tests/v1/kv_connector/unit: config, lifecycle, invalid
-blocks, load-failure recovery, multi-connector, and vLLM's own offloading connector, the
-closest relative of ours). `ALL_FILES` (`run.py --all`) adds the tests of third-party
-connectors and of tests/v1/kv_offload and tests/v1/simple_kv_offload.
+CI runs `FILES`: vLLM's scheduler, KV cache manager and prefix-caching tests
+(tests/v1/core) and its connector-generic tests (tests/v1/kv_connector/unit: config,
+lifecycle, invalid blocks, load-failure recovery, multi-connector, and vLLM's own
+offloading connector, the closest relative of ours). `ALL_FILES` (`run.py --all`) adds
+the tests of third-party connectors and of tests/v1/kv_offload and
+tests/v1/simple_kv_offload.
 
-Left out: tests that cannot run on this machine without the plugin either. They need a CUDA
-device, torchvision (multimodal models), ray, pytest-asyncio, or real weights from the hub;
-which is which was measured with `run.py --mode plain --all`.
+Left out: tests that cannot run on this machine without the plugin either. They need a
+CUDA device, torchvision (multimodal models), ray, pytest-asyncio, or real weights from
+the hub; which is which was measured with `run.py --mode plain --all`.
 """
 
 from __future__ import annotations
@@ -64,13 +65,20 @@ ALL_FILES: tuple[str, ...] = (
     "tests/v1/simple_kv_offload",
 )
 
-# Whole files of CORE and UNIT that FILES leaves out, and why (measured without the plugin).
+# Whole files of CORE and UNIT that FILES leaves out, and why (measured without the
+# plugin).
 LEFT_OUT_FILES: dict[str, str] = {
-    f"{CORE}/prefix_cache/test_hybrid_prefix_cache_hit_rate.py": "weights of Qwen/Qwen3.5-0.8B",
-    f"{CORE}/test_priority_scheduler_random.py": "Qwen/Qwen2.5-VL-3B-Instruct (torchvision)",
+    f"{CORE}/prefix_cache/test_hybrid_prefix_cache_hit_rate.py": (
+        "weights of Qwen/Qwen3.5-0.8B"
+    ),
+    f"{CORE}/test_priority_scheduler_random.py": (
+        "Qwen/Qwen2.5-VL-3B-Instruct (torchvision)"
+    ),
     f"{CORE}/test_reset_prefix_cache_e2e.py": "an engine with real weights",
     f"{CORE}/test_scheduler_e2e.py": "weights of hmellor/tiny-random-LlamaForCausalLM",
-    f"{UNIT}/test_offloading_connector.py": "CUDA, and weights of meta-llama/Llama-3.2-1B",
+    f"{UNIT}/test_offloading_connector.py": (
+        "CUDA, and weights of meta-llama/Llama-3.2-1B"
+    ),
     f"{UNIT}/test_scheduler_kv_connector_override.py": "fails without the plugin here "
     '("Unsupported connector type: DummyKVConnector")',
     f"{UNIT}/test_example_connector.py": "CUDA",

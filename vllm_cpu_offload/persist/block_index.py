@@ -1,13 +1,15 @@
-"""The persisted index of a tier: which key each host block holds, kept by the scheduler half.
+"""The persisted index of a tier: which key each host block holds, kept by the scheduler
+half.
 
-`index.bin` has one fixed-size record per host block, in a shared mapping of the file, and
-`tier.json` says what the tier is: its fingerprint, its size, and the incarnation of every
-worker's data file it describes. A record is written when a block's store has finished on
-every worker (its bytes are complete in the data files) and cleared when the block leaves
-the pool, which happens before its host block can be handed to a new store. So a crash at
-any moment leaves records only for complete blocks; a record torn by the crash fails its
-checksum and is dropped. Records carry a monotonic stamp (restore order, oldest first) and
-the key of the block's parent in its chain (the eviction policies' chain links).
+`index.bin` has one fixed-size record per host block, in a shared mapping of the file,
+and `tier.json` says what the tier is: its fingerprint, its size, and the incarnation of
+every worker's data file it describes. A record is written when a block's store has
+finished on every worker (its bytes are complete in the data files) and cleared when the
+block leaves the pool, which happens before its host block can be handed to a new store.
+So a crash at any moment leaves records only for complete blocks; a record torn by the
+crash fails its checksum and is dropped. Records carry a monotonic stamp (restore order,
+oldest first) and the key of the block's parent in its chain (the eviction policies'
+chain links).
 
 Both calls are O(1) per block: one `struct.pack_into` into the mapping.
 """
@@ -28,7 +30,8 @@ from vllm_cpu_offload.persist.data_file import read_incarnation
 from vllm_cpu_offload.persist.fingerprint import differences
 from vllm_cpu_offload.persist.tier_file import TierFile
 
-# crc32 of the rest | valid | group id | key length | parent key length | stamp | key | parent
+# A record: crc32 of the rest, valid, group id, key length, parent key length, stamp,
+# key, parent key.
 _RECORD = struct.Struct("<IBHBBQ32s32s")
 RECORD_BYTES = 96
 _BODY = slice(4, _RECORD.size)
@@ -54,8 +57,16 @@ def _encode(stamp: int, key: Any, parent: Any) -> bytes | None:
     if len(parent_hash) > MAX_KEY_BYTES:
         parent_hash = b""
     packed = bytearray(
-        _RECORD.pack(0, 1, group_id, len(block_hash), len(parent_hash), stamp, block_hash,
-                     parent_hash)
+        _RECORD.pack(
+            0,
+            1,
+            group_id,
+            len(block_hash),
+            len(parent_hash),
+            stamp,
+            block_hash,
+            parent_hash,
+        )
     )
     struct.pack_into("<I", packed, 0, zlib.crc32(packed[_BODY]))
     return bytes(packed)
@@ -75,7 +86,11 @@ class BlockIndex:
     """The index file of the tier at `path`, for `num_blocks` host blocks."""
 
     def __init__(
-        self, path: str, fingerprint: dict[str, Any], num_blocks: int, workers: Sequence[str]
+        self,
+        path: str,
+        fingerprint: dict[str, Any],
+        num_blocks: int,
+        workers: Sequence[str],
     ) -> None:
         self.path = path
         self.fingerprint = fingerprint
@@ -102,8 +117,9 @@ class BlockIndex:
         }
         if why is not None:
             self.rebuilt_because = why
-            # Cleared before the new metadata names the workers' files: a crash in between
-            # leaves a tier that the next open rebuilds again, never stale records.
+            # Cleared before the new metadata names the workers' files: a crash in
+            # between leaves a tier that the next open rebuilds again, never stale
+            # records.
             os.ftruncate(fd, 0)
             os.ftruncate(fd, size)
         self._file.write_meta("open")
@@ -125,7 +141,11 @@ class BlockIndex:
             return f"it has format {old.get('format')!r}"
         if old.get("fingerprint") != self.fingerprint:
             old_fp = old.get("fingerprint")
-            changed = differences(old_fp, self.fingerprint) if isinstance(old_fp, dict) else ""
+            changed = (
+                differences(old_fp, self.fingerprint)
+                if isinstance(old_fp, dict)
+                else ""
+            )
             return f"it was written by a different configuration ({changed})"
         if file_size != size:
             return f"its index is truncated ({file_size} of {size} bytes)"
@@ -163,8 +183,8 @@ class BlockIndex:
         return ordered
 
     def record(self, entries: Sequence[tuple[int, Any, Any]]) -> None:
-        """Records (host id, key, parent key) of blocks whose bytes are complete, in chain
-        order (a parent before its children). O(1) per block."""
+        """Records (host id, key, parent key) of blocks whose bytes are complete, in
+        chain order (a parent before its children). O(1) per block."""
         mapping = self._map
         assert mapping is not None, "open() first"
         for host_id, key, parent in entries:

@@ -2,13 +2,13 @@
 
 `kv-<worker>.bin` holds exactly `num_slots * slot_bytes` bytes, the host buffer's tensor
 mapped shared (so every store is in the page cache the moment it is written and survives
-the process); `kv-<worker>.json` says what they are: the fingerprint with this worker's KV
-layout, the sizes, and an incarnation id. A file that does not match this worker's
+the process); `kv-<worker>.json` says what they are: the fingerprint with this worker's
+KV layout, the sizes, and an incarnation id. A file that does not match this worker's
 fingerprint or sizes, or that was left open in an earlier boot, is rebuilt empty under a
-new incarnation, which tells the scheduler half that the index no longer describes it.
-A new file gets its space reserved up front (`posix_fallocate`): a tier the file system
-cannot hold fails at start, not with SIGBUS in the middle of serving.
-This module imports torch and the standard library only.
+new incarnation, which tells the scheduler half that the index no longer describes it. A
+new file gets its space reserved up front (`posix_fallocate`): a tier the file system
+cannot hold fails at start, not with SIGBUS in the middle of serving. This module
+imports torch and the standard library only.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def read_incarnation(path: str, worker: str) -> str | None:
 
 
 class TierDataFile:
-    """The mapped file of one worker; locked from `map` until `close`, or until both this
-    object and the mapping are gone."""
+    """The mapped file of one worker; locked from `map` until `close`, or until both
+    this object and the mapping are gone."""
 
     def __init__(self, path: str, worker: str, fingerprint: dict[str, Any]) -> None:
         self.path = path
@@ -57,13 +57,17 @@ class TierDataFile:
         self.rebuilt_because: str | None = None
         self._file = TierFile(path, data_path(path, worker), meta_path(path, worker))
 
-    def map(self, num_slots: int, slot_bytes: int, layouts: dict[str, Any]) -> torch.Tensor:
+    def map(
+        self, num_slots: int, slot_bytes: int, layouts: dict[str, Any]
+    ) -> torch.Tensor:
         """The uint8 `[num_slots, slot_bytes]` tensor over the file, kept or rebuilt."""
         size = num_slots * slot_bytes
         fingerprint = {**self.fingerprint, "worker": self.worker, "layouts": layouts}
         fd = self._file.open_locked()
         old = self._file.read_meta()
-        why = self._why_rebuild(old, fingerprint, num_slots, slot_bytes, os.fstat(fd).st_size)
+        why = self._why_rebuild(
+            old, fingerprint, num_slots, slot_bytes, os.fstat(fd).st_size
+        )
         if why is None:
             assert old is not None
             self.incarnation = str(old["incarnation"])
@@ -76,8 +80,10 @@ class TierDataFile:
             except OSError as e:
                 os.ftruncate(fd, 0)
                 raise OffloadConfigError(
-                    f"--swap-space-path {self.path} cannot hold {size / GIB:.2f} GiB of host "
-                    f"KV for worker {self.worker} ({e.strerror}); lower --swap-space or free "
+                    f"--swap-space-path {self.path} cannot hold {size / GIB:.2f} GiB "
+                    "of host "
+                    f"KV for worker {self.worker} ({e.strerror}); lower --swap-space "
+                    "or free "
                     "space there"
                 ) from None
         self._file.meta = {

@@ -1,12 +1,13 @@
-"""The tier directory of `--swap-space-path`: checks, private files, locks, small metadata.
+"""The tier directory of `--swap-space-path`: checks, private files, locks, small
+metadata.
 
-The tier holds users' prompts in KV form, so it is treated like them: the directory must be
-owned by this user and writable by no one else; every file is created 0600 and opened
+The tier holds users' prompts in KV form, so it is treated like them: the directory must
+be owned by this user and writable by no one else; every file is created 0600 and opened
 without following links. Each file is written by one process, which holds an exclusive
-`flock` on it for its life: a second engine on the same directory is refused with one line.
-Metadata files are small JSON documents replaced atomically (write, fsync, rename), so a
-crash leaves the old or the new one, never half of each. This module uses the standard
-library only.
+`flock` on it for its life: a second engine on the same directory is refused with one
+line. Metadata files are small JSON documents replaced atomically (write, fsync,
+rename), so a crash leaves the old or the new one, never half of each. This module uses
+the standard library only.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 # Bumped whenever what the files mean changes: a tier of another format is rebuilt.
 FORMAT_VERSION = 1
-# Data files are named kv-<rank>.bin; the index is index.bin (see the modules that own them).
+# Data files are named kv-<rank>.bin; the index is index.bin (see the modules that own
+# them).
 TIER_FILE_GLOB = "*.bin"
 
 
 def check_tier_directory(path: str) -> None:
-    """Creates `path` (0700) if missing; refuses one that others can write or another user
-    owns, or that another engine uses now. Runs before the engine starts."""
+    """Creates `path` (0700) if missing; refuses one that others can write or another
+    user owns, or that another engine uses now. Runs before the engine starts."""
     directory = Path(path)
     if not directory.exists():
         try:
@@ -43,17 +45,20 @@ def check_tier_directory(path: str) -> None:
     st = directory.lstat()
     if not stat.S_ISDIR(st.st_mode):
         raise OffloadConfigError(
-            f"--swap-space-path {path} is not a directory; give a directory for the tier"
+            f"--swap-space-path {path} is not a directory; give a directory for the "
+            "tier"
         )
     if st.st_uid != os.getuid():
         raise OffloadConfigError(
-            f"--swap-space-path {path} belongs to another user (uid {st.st_uid}); use a "
+            f"--swap-space-path {path} belongs to another user (uid {st.st_uid}); use "
+            "a "
             "directory of your own"
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise OffloadConfigError(
             f"--swap-space-path {path} is writable by other users (mode "
-            f"{stat.S_IMODE(st.st_mode):o}); the tier holds prompts: run chmod go-w {path} "
+            f"{stat.S_IMODE(st.st_mode):o}); the tier holds prompts: run chmod go-w "
+            f"{path} "
             f"or use a subdirectory (e.g. {path.rstrip('/')}/vllm-kv, created 0700)"
         )
     for tier_file in sorted(directory.glob(TIER_FILE_GLOB)):
@@ -74,12 +79,14 @@ def check_tier_fits(path: str, wanted: int, gib: float, num_workers: int) -> Non
     if wanted > room:
         raise OffloadConfigError(
             f"--swap-space {gib:g} GiB x {num_workers} worker(s) exceeds the "
-            f"{room / GIB:.1f} GiB that {path} can hold; lower --swap-space or free space there"
+            f"{room / GIB:.1f} GiB that {path} can hold; lower --swap-space or free "
+            "space there"
         )
 
 
 def open_private(path: Path) -> int:
-    """Opens (creating 0600) a tier file for reading and writing; never follows a link."""
+    """Opens (creating 0600) a tier file for reading and writing; never follows a
+    link."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     os.fchmod(fd, FILE_MODE)
     return fd
@@ -91,7 +98,8 @@ def lock(fd: int, directory: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise OffloadConfigError(
-            f"--swap-space-path {directory} is in use by another running engine; give each "
+            f"--swap-space-path {directory} is in use by another running engine; give "
+            "each "
             "engine its own --swap-space-path"
         ) from None
 
@@ -127,6 +135,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def needs_rebuild_after_reboot(meta: dict[str, Any]) -> bool:
-    """A tier left open (not closed cleanly) in an earlier boot: its last writes may never
-    have reached the disk."""
+    """A tier left open (not closed cleanly) in an earlier boot: its last writes may
+    never have reached the disk."""
     return meta.get("state") != "closed" and meta.get("boot_id") != boot_id()

@@ -1,12 +1,14 @@
-"""What a persisted tier's blocks mean, so that a new engine serves only blocks it can use.
+"""What a persisted tier's blocks mean, so that a new engine serves only blocks it can
+use.
 
-Keys are vLLM's block hashes. They come from the tokens, the extra keys (LoRA, multimodal
-inputs, `cache_salt`) and the parent's hash, rooted at `NONE_HASH`. vLLM derives `NONE_HASH`
-from a fixed seed for sha256 and sha256_cbor, and from PYTHONHASHSEED when it is set; for
-xxhash without PYTHONHASHSEED the seed is random per process, and such keys would mean
-nothing after a restart: that combination is refused. The fingerprint then pins everything
-else a block's bytes depend on: model and weights, dtypes, block and KV layout, the worker's
-place in tensor and pipeline parallelism, the vLLM release and the hash that keys them.
+Keys are vLLM's block hashes. They come from the tokens, the extra keys (LoRA,
+multimodal inputs, `cache_salt`) and the parent's hash, rooted at `NONE_HASH`. vLLM
+derives `NONE_HASH` from a fixed seed for sha256 and sha256_cbor, and from
+PYTHONHASHSEED when it is set; for xxhash without PYTHONHASHSEED the seed is random per
+process, and such keys would mean nothing after a restart: that combination is refused.
+The fingerprint then pins everything else a block's bytes depend on: model and weights,
+dtypes, block and KV layout, the worker's place in tensor and pipeline parallelism, the
+vLLM release and the hash that keys them.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ def check_stable_block_hashes(hash_algo: str) -> None:
     """Refuses a prefix-caching hash whose keys change from one process to the next."""
     if hash_algo in _PER_PROCESS_SEEDED and os.getenv("PYTHONHASHSEED") is None:
         raise OffloadConfigError(
-            f"--swap-space-path needs block hashes that are the same in every process, but "
-            f"--prefix-caching-hash-algo {hash_algo} seeds them at random per process; use "
+            "--swap-space-path needs block hashes that are the same in every process, "
+            "but "
+            f"--prefix-caching-hash-algo {hash_algo} seeds them at random per process; "
+            "use "
             "sha256 or sha256_cbor, or set PYTHONHASHSEED"
         )
 
@@ -43,8 +47,9 @@ def _seed_digest() -> str:
 
 
 def _weights_digest(model: str) -> str:
-    """Names, sizes and modification times of a local model directory's files: a checkpoint
-    replaced in place changes it. A hub name is pinned by its name and revision instead."""
+    """Names, sizes and modification times of a local model directory's files: a
+    checkpoint replaced in place changes it. A hub name is pinned by its name and
+    revision instead."""
     directory = Path(model)
     if not directory.is_dir():
         return ""
@@ -57,9 +62,13 @@ def _weights_digest(model: str) -> str:
 
 
 def tier_fingerprint(
-    vllm_config: Any, groups: Sequence[object], num_host_blocks: int, blocks_per_host_block: int
+    vllm_config: Any,
+    groups: Sequence[object],
+    num_host_blocks: int,
+    blocks_per_host_block: int,
 ) -> dict[str, Any]:
-    """The configuration a tier's index and data files were written for (JSON values)."""
+    """The configuration a tier's index and data files were written for (JSON
+    values)."""
     import vllm
 
     model = vllm_config.model_config
@@ -99,7 +108,10 @@ def rank_name(tp_rank: int, pp_rank: int) -> str:
 
 def this_worker_name() -> str:
     """The calling worker's name (its tensor and pipeline parallel ranks)."""
-    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+    )
 
     return rank_name(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
 

@@ -1,9 +1,9 @@
 """One file of a tier that this process writes, with the metadata document beside it.
 
-Opened private (`directory.open_private`), locked for as long as it is open, mapped shared.
-The metadata says what the file holds and whether it was closed in order, and in which boot
-it was opened: `close()` flushes the mapping first, so "closed" means every byte is on its
-way to the file system.
+Opened private (`directory.open_private`), locked for as long as it is open, mapped
+shared. The metadata says what the file holds and whether it was closed in order, and in
+which boot it was opened: `close()` flushes the mapping first, so "closed" means every
+byte is on its way to the file system.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from vllm_cpu_offload.persist import directory as tier_dir
 
 
 class TierFile:
-    """`path` and its metadata document `meta_path`, in the tier directory `directory`."""
+    """`path` and its metadata document `meta_path`, in the tier directory
+    `directory`."""
 
     def __init__(self, directory: str, path: Path, meta_path: Path) -> None:
         self.directory = directory
@@ -33,7 +34,8 @@ class TierFile:
         self._closer: weakref.finalize | None = None
 
     def open_locked(self) -> int:
-        """Opens (creating 0600) and locks the file; refuses one another engine holds."""
+        """Opens (creating 0600) and locks the file; refuses one another engine
+        holds."""
         fd = tier_dir.open_private(self.path)
         self.fd = fd
         self._closer = weakref.finalize(self, os.close, fd)

@@ -1,4 +1,5 @@
-"""The host tier's block pool: which vLLM block hashes are held in host memory, and where.
+"""The host tier's block pool: which vLLM block hashes are held in host memory, and
+where.
 
 Runs in the scheduler process and never touches memory itself: it hands out host block
 ids for the worker-side transfer engine to copy into, tracks each block through
@@ -30,7 +31,8 @@ __all__ = ["BlockKey", "BlockState", "HostBlockPool", "PoolEvent"]
 class PoolEvent:
     """Keys that became visible ("stored") or left the pool ("evicted"), in order.
 
-    `detail` is what the caller of `complete_store` passed along for the event, untouched.
+    `detail` is what the caller of `complete_store` passed along for the event,
+    untouched.
     """
 
     kind: Literal["stored", "evicted"]
@@ -39,10 +41,12 @@ class PoolEvent:
 
 
 class PoolIndex(Protocol):
-    """What a persisted index (persist/block_index.py) hears of the pool: blocks that became
-    visible, in chain order, and blocks about to be reused."""
+    """What a persisted index (persist/block_index.py) hears of the pool: blocks that
+    became visible, in chain order, and blocks about to be reused."""
 
-    def record(self, entries: Sequence[tuple[int, BlockKey, BlockKey | None]]) -> None: ...
+    def record(
+        self, entries: Sequence[tuple[int, BlockKey, BlockKey | None]]
+    ) -> None: ...
 
     def clear(self, host_id: int) -> None: ...
 
@@ -112,8 +116,8 @@ class HostBlockPool:
     def count_hits(self, keys: Sequence[BlockKey]) -> int:
         """Length of the longest prefix of `keys` whose blocks are READY. O(hits).
 
-        The hits count as a use for the policy, touched deepest first so that an ancestor
-        is always at least as recent as its descendants.
+        The hits count as a use for the policy, touched deepest first so that an
+        ancestor is always at least as recent as its descendants.
         """
         hits: list[HostBlock] = []
         append = hits.append
@@ -136,7 +140,11 @@ class HostBlockPool:
         """
         get = self._held.get
         ready = BlockState.READY
-        used = [block for key in reversed(keys) if (block := get(key)) and block.state is ready]
+        used = [
+            block
+            for key in reversed(keys)
+            if (block := get(key)) and block.state is ready
+        ]
         if used:
             self.policy.on_access(used)
 
@@ -147,11 +155,14 @@ class HostBlockPool:
 
         Raises:
             ValueError: a key is not held or not READY (nothing is pinned then).
+
         """
         blocks = [self._held.get(key) for key in keys]
         for key, block in zip(keys, blocks, strict=True):
             if block is None or block.state is not BlockState.READY:
-                raise ValueError(f"cannot pin {key!r}: it is not a READY block of the pool")
+                raise ValueError(
+                    f"cannot pin {key!r}: it is not a READY block of the pool"
+                )
         ids = []
         for block in blocks:
             assert block is not None
@@ -164,6 +175,7 @@ class HostBlockPool:
 
         Raises:
             ValueError: a key is not held or not pinned (nothing is unpinned then).
+
         """
         blocks = [self._held.get(key) for key in keys]
         for key, block in zip(keys, blocks, strict=True):
@@ -178,7 +190,8 @@ class HostBlockPool:
     def allocate_for_store(
         self, keys: Sequence[BlockKey], parent: BlockKey | None
     ) -> list[tuple[BlockKey, int]]:
-        """Allocates STORING blocks for the keys of one chain that the pool does not hold.
+        """Allocates STORING blocks for the keys of one chain that the pool does not
+        hold.
 
         `keys` are consecutive blocks of one chain and `parent` is the key just before
         `keys[0]` (None at the chain root). Held keys (any state) are skipped. Room is
@@ -189,6 +202,7 @@ class HostBlockPool:
 
         Returns:
             The (key, host block id) pairs allocated, in chain order. O(1) per key.
+
         """
         held = self._held
         get = held.get
@@ -258,11 +272,12 @@ class HostBlockPool:
 
         Raises:
             ValueError: a key is not a STORING block of the pool (nothing changes then).
+
         """
         get = self._held.get
         storing = BlockState.STORING
-        # Deepest first, so that each ancestor ends at least as recent as its descendants
-        # and a failed chain is freed leaves first.
+        # Deepest first, so that each ancestor ends at least as recent as its
+        # descendants and a failed chain is freed leaves first.
         done = list(map(get, reversed(keys)))
         if not done:
             return
@@ -299,12 +314,14 @@ class HostBlockPool:
     # ----- maintenance -----
 
     def restore(self, blocks: Iterable[tuple[int, BlockKey, BlockKey | None]]) -> int:
-        """Adopts blocks a persisted tier holds as READY: (host id, key, parent key), oldest
-        first, so that parents come before their children. Only on a pool that holds
-        nothing yet. O(num_blocks).
+        """Adopts blocks a persisted tier holds as READY: (host id, key, parent key),
+        oldest first, so that parents come before their children. Only on a pool that
+        holds nothing yet. O(num_blocks).
 
         Returns:
-            How many blocks were adopted (ids out of range and repeated keys are skipped).
+            How many blocks were adopted (ids out of range and repeated keys are
+            skipped).
+
         """
         assert not self._held, "restore() is for a pool that holds nothing"
         adopted = 0
@@ -323,7 +340,8 @@ class HostBlockPool:
                 parent.first_child = block
                 parent.num_children += 1
             self._held[key] = block
-            # One at a time, oldest first: the policy's recency follows the tier's history.
+            # One at a time, oldest first: the policy's recency follows the tier's
+            # history.
             self.policy.on_insert([block])
             block.state = BlockState.READY
             self.policy.on_ready([block])
@@ -333,10 +351,12 @@ class HostBlockPool:
         return adopted
 
     def reset(self) -> int:
-        """Drops every READY, unpinned block (vLLM's reset_prefix_cache). O(blocks held).
+        """Drops every READY, unpinned block (vLLM's reset_prefix_cache). O(blocks
+        held).
 
         Returns:
             How many blocks were dropped. Pinned and STORING blocks stay.
+
         """
         dropped = [block for block in self._held.values() if block.evictable]
         keys = []
@@ -355,7 +375,8 @@ class HostBlockPool:
         return events
 
     def check_invariants(self) -> None:
-        """Asserts every invariant of the pool. O(num_blocks); for tests and debugging."""
+        """Asserts every invariant of the pool. O(num_blocks); for tests and
+        debugging."""
         free_ids = {block.block_id for block in self._free}
         assert len(free_ids) == len(self._free), "a free id is listed twice"
         held_ids = {block.block_id for block in self._held.values()}
@@ -366,11 +387,15 @@ class HostBlockPool:
         for key, block in self._held.items():
             assert block.key == key and self._blocks[block.block_id] is block
             assert block.pin_count >= 0
-            assert block.state is BlockState.READY or block.pin_count == 0, "pinned STORING"
+            assert block.state is BlockState.READY or block.pin_count == 0, (
+                "pinned STORING"
+            )
             storing += block.state is BlockState.STORING
             pinned += block.pin_count > 0
             if block.parent is not None:
-                assert self._held.get(block.parent.key) is block.parent, "dangling parent"
+                assert self._held.get(block.parent.key) is block.parent, (
+                    "dangling parent"
+                )
             assert block.num_children == sum(1 for _ in _children(block))
             for child in _children(block):
                 assert child.parent is block
@@ -380,8 +405,11 @@ class HostBlockPool:
 
     # ----- internals -----
 
-    def _shield(self, parent: HostBlock | None, keys: Sequence[BlockKey]) -> list[HostBlock]:
-        """Pins the chain's evictable held blocks (and `parent`) for the rest of the call."""
+    def _shield(
+        self, parent: HostBlock | None, keys: Sequence[BlockKey]
+    ) -> list[HostBlock]:
+        """Pins the chain's evictable held blocks (and `parent`) for the rest of the
+        call."""
         shielded = []
         if parent is not None and parent.evictable:
             self._pin_block(parent)

@@ -1,15 +1,16 @@
-"""The KV cache groups the host tier serves, and which of a prefix's blocks each one needs.
+"""The KV cache groups the host tier serves, and which of a prefix's blocks each one
+needs.
 
-vLLM's hybrid KV cache manager splits a model's attention layers into groups that share one
-device block pool: a full-attention group keeps KV for every block of the context, a
+vLLM's hybrid KV cache manager splits a model's attention layers into groups that share
+one device block pool: a full-attention group keeps KV for every block of the context, a
 sliding-window (or chunked local attention) group only for the blocks inside the window
-(vLLM swaps the others for its null block). The host tier keys blocks by (group id, block
-hash) and stores every block of every group once it is full, as vLLM's own prefix cache
-does: a later prompt may branch off after any block, and a window group then needs the
-blocks just before that point. A hit is served only where every group can: the full groups
-need every block after the device hit, a window group only the blocks of the window that
-ends at the hit. Those are exactly the blocks vLLM's manager for the group allocates for
-external tokens, so each one gets loaded and nothing else does.
+(vLLM swaps the others for its null block). The host tier keys blocks by (group id,
+block hash) and stores every block of every group once it is full, as vLLM's own prefix
+cache does: a later prompt may branch off after any block, and a window group then needs
+the blocks just before that point. A hit is served only where every group can: the full
+groups need every block after the device hit, a window group only the blocks of the
+window that ends at the hit. Those are exactly the blocks vLLM's manager for the group
+allocates for external tokens, so each one gets loaded and nothing else does.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class KVGroup:
-    """One KV cache group: full attention, a sliding window of `sliding_window` tokens, or
-    chunked local attention over chunks of `attention_chunk` tokens."""
+    """One KV cache group: full attention, a sliding window of `sliding_window` tokens,
+    or chunked local attention over chunks of `attention_chunk` tokens."""
 
     group_id: int
     sliding_window: int | None = None
@@ -41,7 +42,8 @@ class KVGroup:
         """The first block the token after a hit of `hit_blocks` blocks attends to.
 
         The tokens before it are those vLLM's manager for the group skips (holds as null
-        blocks) once `hit_blocks` blocks are computed; a full group needs the whole prefix.
+        blocks) once `hit_blocks` blocks are computed; a full group needs the whole
+        prefix.
         """
         computed = hit_blocks * block_size
         if self.sliding_window is not None:
@@ -54,8 +56,11 @@ class KVGroup:
 FULL_ATTENTION_ONLY = (KVGroup(0),)
 
 
-def kv_groups_of(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[KVGroup, ...]:
-    """The groups of a KV cache config; refuses a kind of group the host tier cannot serve."""
+def kv_groups_of(
+    kv_cache_config: KVCacheConfig, block_size: int
+) -> tuple[KVGroup, ...]:
+    """The groups of a KV cache config; refuses a kind of group the host tier cannot
+    serve."""
     groups = []
     for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -66,12 +71,14 @@ def kv_groups_of(kv_cache_config: KVCacheConfig, block_size: int) -> tuple[KVGro
             more = ", ..." if len(group.layer_names) > 3 else ""
             raise OffloadConfigError(
                 f"--enable-cpu-offload supports full, sliding-window and chunked local "
-                f"attention, but KV cache group {group_id} is {kind} (layers {names}{more}); "
+                f"attention, but KV cache group {group_id} is {kind} (layers "
+                f"{names}{more}); "
                 f"drop --enable-cpu-offload"
             )
         if spec.block_size != block_size:
             raise OffloadConfigError(
-                f"--enable-cpu-offload needs every KV cache group to use the block size "
+                "--enable-cpu-offload needs every KV cache group to use the block "
+                "size "
                 f"{block_size}, but group {group_id} ({kind}) uses {spec.block_size}; "
                 f"set --block-size {spec.block_size} or drop --enable-cpu-offload"
             )
@@ -117,9 +124,9 @@ def longest_hit(
 ) -> int:
     """Blocks after `first` (the device hit) that every group can serve, up to `last`.
 
-    `is_ready(group_id, block_index)` says whether the host tier holds that block. A hit of
-    `n` blocks is servable when every full group holds blocks [first, first + n) and every
-    windowed group holds [max(first, first_needed_block(first + n)), first + n):
+    `is_ready(group_id, block_index)` says whether the host tier holds that block. A hit
+    of `n` blocks is servable when every full group holds blocks [first, first + n) and
+    every windowed group holds [max(first, first_needed_block(first + n)), first + n):
     the device hit already provides what lies before `first`. One pass over the blocks,
     O(blocks x groups).
     """

@@ -1,9 +1,10 @@
-"""What a KV event tells about blocks the host tier stored, as vLLM's device tier tells it.
+"""What a KV event tells about blocks the host tier stored, as vLLM's device tier tells
+it.
 
 Recorded by the scheduler half when it plans a store (only while KV events are on) and
-published once the store has finished, so a `BlockStored` event of the host tier carries what
-vLLM's own device-tier event for the same blocks carries: the parent block hash, the token ids,
-the LoRA adapter and the extra keys of the block hashes.
+published once the store has finished, so a `BlockStored` event of the host tier carries
+what vLLM's own device-tier event for the same blocks carries: the parent block hash,
+the token ids, the LoRA adapter and the extra keys of the block hashes.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ def stored_runs(
 ) -> list[StoredBlocks]:
     """One record per run of consecutive host block indices (ascending) of `request`.
 
-    A host block holds `k` device blocks of `block_size` tokens and is named by the hash of
-    its last one; its event reports a block of `k * block_size` tokens.
+    A host block holds `k` device blocks of `block_size` tokens and is named by the hash
+    of its last one; its event reports a block of `k * block_size` tokens.
     """
-    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+    from vllm.v1.core.kv_cache_utils import (
+        generate_block_hash_extra_keys,
+        to_event_extra_keys,
+    )
 
     hashes = request.block_hashes
     tokens = request.all_token_ids

@@ -1,29 +1,30 @@
-"""The scheduler half of the connector: decides what to load, what to store, when to free.
+"""The scheduler half of the connector: decides what to load, what to store, when to
+free.
 
 It runs inside every engine step of vLLM's scheduler and forwards bookkeeping to the
 `HostBlockPool`. Everything is keyed by vLLM's own block hashes (`request.block_hashes`,
-with the KV cache group id), so `cache_salt` isolation and LoRA keys hold for free.
-With vLLM's hybrid KV cache manager there is one key per (group, block): a lookup returns
-the longest hit that every group can serve (`kv_groups.longest_hit`), a load fills the
-device blocks each group allocated (a sliding-window group only those of its window), and a
-store copies each group's device blocks that vLLM has not already released.
+with the KV cache group id), so `cache_salt` isolation and LoRA keys hold for free. With
+vLLM's hybrid KV cache manager there is one key per (group, block): a lookup returns the
+longest hit that every group can serve (`kv_groups.longest_hit`), a load fills the
+device blocks each group allocated (a sliding-window group only those of its window),
+and a store copies each group's device blocks that vLLM has not already released.
 
 Invariants (tests in tests/unit/test_tier_scheduler.py and tests/e2e):
-- A host block being loaded is pinned from the step that plans the load until every worker
-  reported the load; pinned blocks are never evicted or overwritten.
-- A device block being stored stays allocated until the store finished: finished requests
-  with stores in flight are freed late (`request_finished` returns True) and preempted
-  requests make the workers drain their stores before the blocks are reused.
+- A host block being loaded is pinned from the step that plans the load until every
+  worker reported the load; pinned blocks are never evicted or overwritten.
+- A device block being stored stays allocated until the store finished: finished
+  requests with stores in flight are freed late (`request_finished` returns True) and
+  preempted requests make the workers drain their stores before the blocks are reused.
 - A finished request's blocks are freed in the step its last store is reported: a store
   that completes in the request's last step (every store on the CPU platform) frees the
   blocks at once, never waiting for a next step that an idle engine would not run. Only
   stores still in flight are handed to the workers, which report them when done.
 - Stored blocks become visible to lookups only after every worker reported the store.
-- Lookups return a contiguous run of whole blocks that starts right after the device hit and
-  leaves at least one prompt token to compute.
-Loads complete within the step that plans them (no asynchronous wait), so two requests that
-share a prefix never both load it: the second one finds the first one's device blocks in
-vLLM's prefix cache, which caches them at allocation.
+- Lookups return a contiguous run of whole blocks that starts right after the device hit
+  and leaves at least one prompt token to compute.
+Loads complete within the step that plans them (no asynchronous wait), so two requests
+that share a prefix never both load it: the second one finds the first one's device
+blocks in vLLM's prefix cache, which caches them at allocation.
 """
 
 from __future__ import annotations
@@ -33,9 +34,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
-from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool, PoolEvent
-from vllm_cpu_offload.scheduler.kv_groups import FULL_ATTENTION_ONLY, KVGroup, longest_hit
+from vllm_cpu_offload.metadata import (
+    BlockTransfer,
+    OffloadStepMetadata,
+    OffloadWorkerReport,
+)
+from vllm_cpu_offload.scheduler.block_pool import (
+    BlockKey,
+    BlockState,
+    HostBlockPool,
+    PoolEvent,
+)
+from vllm_cpu_offload.scheduler.kv_groups import (
+    FULL_ATTENTION_ONLY,
+    KVGroup,
+    longest_hit,
+)
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks, stored_runs
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
@@ -43,8 +57,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-# vLLM's BlockPool hands out block 0 first and keeps it as its null block: the placeholder
-# a sliding-window group holds for blocks outside its window.
+# vLLM's BlockPool hands out block 0 first and keeps it as its null block: the
+# placeholder a sliding-window group holds for blocks outside its window.
 NULL_BLOCK_ID = 0
 
 
@@ -82,10 +96,12 @@ class HostTierScheduler:
         self.pool = pool
         self.block_size = block_size
         # k: a host block holds k consecutive device blocks of a request, keyed by the
-        # hash of its last one (which covers the whole prefix). Host block h occupies the
-        # worker's host slots [h * k, h * k + k). Windowed groups need k = 1.
+        # hash of its last one (which covers the whole prefix). Host block h occupies
+        # the worker's host slots [h * k, h * k + k). Windowed groups need k = 1.
         self.k = blocks_per_host_block
-        assert self.k == 1 or all(g.is_full for g in groups), "k > 1 needs full attention"
+        assert self.k == 1 or all(g.is_full for g in groups), (
+            "k > 1 needs full attention"
+        )
         self.groups = tuple(groups)
         self._single_full_group = self.groups == FULL_ATTENTION_ONLY
         # Whether stores record what vLLM's BlockStored events say (KV events are on).
@@ -99,32 +115,41 @@ class HostTierScheduler:
         self._reports: Counter[int] = Counter()
         self._next_job_id = 0
         self._step_loads: list[BlockTransfer] = []
-        # Finished requests whose device blocks wait for these store jobs, not yet handed
-        # to the workers (that happens in the next step's metadata).
+        # Finished requests whose device blocks wait for these store jobs, not yet
+        # handed to the workers (that happens in the next step's metadata).
         self._held: dict[str, set[int]] = {}
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
-        null = getattr(getattr(kv_cache_manager, "block_pool", None), "null_block", None)
+        null = getattr(
+            getattr(kv_cache_manager, "block_pool", None), "null_block", None
+        )
         if null is not None:
             self._null_block_id = null.block_id
 
-    # ---- lookups and loads -------------------------------------------------------------
+    # ---- lookups and loads
+    # -------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> int:
         """Tokens past the device hit that the host tier holds, in whole blocks."""
         state = self._state(request)
         k = self.k
         first = num_computed_tokens // self.block_size
         # At least one token must be computed to sample from. A host block is looked up
         # by its last device block's hash, so only host blocks that end by `last` count.
-        last = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        last = min(
+            len(request.block_hashes), (request.num_tokens - 1) // self.block_size
+        )
         first_unit, last_unit = first // k, last // k
         hits = 0
         if last_unit > first_unit:
             hashes = request.block_hashes
             if self._single_full_group:
-                units = self.pool.count_hits(self._keys(0, hashes, first_unit, last_unit))
+                units = self.pool.count_hits(
+                    self._keys(0, hashes, first_unit, last_unit)
+                )
             else:
                 units = longest_hit(
                     self.groups,
@@ -146,9 +171,13 @@ class HostTierScheduler:
         state_of = self.pool.state_of
         ready = BlockState.READY
         k = self.k
-        return lambda group_id, u: state_of((group_id, hashes[(u + 1) * k - 1])) is ready
+        return lambda group_id, u: (
+            state_of((group_id, hashes[(u + 1) * k - 1])) is ready
+        )
 
-    def _needed_keys(self, hashes: Sequence[Any], first: int, end: int) -> list[BlockKey]:
+    def _needed_keys(
+        self, hashes: Sequence[Any], first: int, end: int
+    ) -> list[BlockKey]:
         """Each group's keys that a prefix of `end` blocks needs from block `first` on
         (k = 1 when a group is windowed, so blocks and host blocks coincide there)."""
         keys: list[BlockKey] = []
@@ -172,7 +201,8 @@ class HostTierScheduler:
         hashes = request.block_hashes
         k = self.k
         if first:
-            # Device hits are uses of the host copies too: the policy keeps the chain warm.
+            # Device hits are uses of the host copies too: the policy keeps the chain
+            # warm.
             self.pool.touch(self._needed_keys(hashes, 0, first // k * k))
         if num_external_tokens == 0:
             return
@@ -182,12 +212,18 @@ class HostTierScheduler:
         assert end % k == 0, "a host hit ends at a host block's end"
         null = self._null_block_id
         keys: list[BlockKey] = []
-        spans: list[tuple[int, list[int]]] = []  # per key: its group, the blocks it loads
+        spans: list[
+            tuple[int, list[int]]
+        ] = []  # per key: its group, the blocks it loads
         for group in self.groups:
             ids = device_block_ids[group.group_id]
             start = max(first, group.first_needed_block(end, self.block_size))
             for unit in range(start // k, end // k):
-                span = [j for j in range(max(unit * k, start), unit * k + k) if ids[j] != null]
+                span = [
+                    j
+                    for j in range(max(unit * k, start), unit * k + k)
+                    if ids[j] != null
+                ]
                 if span:
                     keys.append((group.group_id, hashes[unit * k + k - 1]))
                     spans.append((group.group_id, span))
@@ -200,16 +236,22 @@ class HostTierScheduler:
             device_ids += [ids[j] for j in span]
             slots += [host_id * k + j % k for j in span]
         job = self._new_job("load", request.request_id, keys)
-        self._step_loads.append(BlockTransfer(job, request.request_id, device_ids, slots))
+        self._step_loads.append(
+            BlockTransfer(job, request.request_id, device_ids, slots)
+        )
         # The loaded blocks are in the host tier already: never store them again.
         state.planned_upto = max(state.planned_upto, end)
         self.stats.hit_tokens += num_external_tokens
         self.stats.loaded_blocks += len(device_ids)
 
-    # ---- the step's metadata -----------------------------------------------------------
+    # ---- the step's metadata
+    # -----------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadStepMetadata:
-        """This step's loads, and stores for the blocks that become full during the step."""
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> OffloadStepMetadata:
+        """This step's loads, and stores for the blocks that become full during the
+        step."""
         meta = OffloadStepMetadata(
             loads=self._step_loads,
             delayed_free_req_ids=list(self._held),
@@ -219,7 +261,8 @@ class HostTierScheduler:
         self.stats.preempted_requests += len(meta.preempted_req_ids)
         for req_id in meta.preempted_req_ids:
             if (state := self._requests.get(req_id)) is not None:
-                # Its device blocks are gone; on resume, the lookup finds what was stored.
+                # Its device blocks are gone; on resume, the lookup finds what was
+                # stored.
                 state.planned_upto = 0
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -229,7 +272,9 @@ class HostTierScheduler:
                     meta.stores.append(store)
         return meta
 
-    def _plan_store(self, state: _RequestState, num_scheduled: int) -> BlockTransfer | None:
+    def _plan_store(
+        self, state: _RequestState, num_scheduled: int
+    ) -> BlockTransfer | None:
         request = state.request
         k = self.k
         full_units = (
@@ -252,9 +297,9 @@ class HostTierScheduler:
         stored: list[StoredBlocks] | None = [] if self.record_events else None
         for group in self.groups:
             ids = block_ids[group.group_id]
-            # Runs of host blocks whose device blocks the group still holds: a window group
-            # may have released the oldest ones (its null block) when the request resumed
-            # past its window.
+            # Runs of host blocks whose device blocks the group still holds: a window
+            # group may have released the oldest ones (its null block) when the request
+            # resumed past its window.
             u = first_unit
             while u < full_units:
                 while u < full_units and null in ids[u * k : u * k + k]:
@@ -274,7 +319,9 @@ class HostTierScheduler:
                     slots += range(host_id * k, host_id * k + k)
                 allocated += got
                 if stored is not None and got:
-                    stored += stored_runs(request, group.group_id, units, self.block_size, k)
+                    stored += stored_runs(
+                        request, group.group_id, units, self.block_size, k
+                    )
         if not allocated:
             return None
         job = self._new_job("store", request.request_id, [key for key, _ in allocated])
@@ -282,7 +329,8 @@ class HostTierScheduler:
         state.store_jobs.add(job)
         return BlockTransfer(job, request.request_id, device_ids, slots)
 
-    # ---- completions -------------------------------------------------------------------
+    # ---- completions
+    # -------------------------------------------------------------------
 
     def update_connector_output(self, report: OffloadWorkerReport | None) -> set[str]:
         """Finished stores become visible; finished loads unpin their host blocks.
@@ -347,7 +395,8 @@ class HostTierScheduler:
                 self.stats.evicted_blocks += len(event.keys) * self.k
         return events
 
-    # ---- helpers -----------------------------------------------------------------------
+    # ---- helpers
+    # -----------------------------------------------------------------------
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -356,13 +405,23 @@ class HostTierScheduler:
         return state
 
     def _keys(
-        self, group_id: int, block_hashes: Sequence[Any], first_unit: int, last_unit: int
+        self,
+        group_id: int,
+        block_hashes: Sequence[Any],
+        first_unit: int,
+        last_unit: int,
     ) -> list[BlockKey]:
-        """The keys of host blocks [first_unit, last_unit): each one's last device block."""
+        """The keys of host blocks [first_unit, last_unit): each one's last device
+        block."""
         k = self.k
-        return [(group_id, block_hashes[u * k + k - 1]) for u in range(first_unit, last_unit)]
+        return [
+            (group_id, block_hashes[u * k + k - 1])
+            for u in range(first_unit, last_unit)
+        ]
 
-    def _new_job(self, kind: Literal["load", "store"], req_id: str, keys: list[BlockKey]) -> int:
+    def _new_job(
+        self, kind: Literal["load", "store"], req_id: str, keys: list[BlockKey]
+    ) -> int:
         job_id = self._next_job_id
         self._next_job_id += 1
         self._jobs[job_id] = _Job(kind, req_id, keys)

@@ -1,8 +1,9 @@
 """A small Llama-style model generated locally, for tests, benchmarks and the demo.
 
-Nothing can be downloaded here, and KV reuse does not depend on the weights, so the model
-is a config, a word-level tokenizer (one token per word, which makes prompt lengths exact)
-and random weights, written in seconds to a cache folder and reused when present.
+Nothing can be downloaded here, and KV reuse does not depend on the weights, so the
+model is a config, a word-level tokenizer (one token per word, which makes prompt
+lengths exact) and random weights, written in seconds to a cache folder and reused when
+present.
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ from pathlib import Path
 
 VOCAB_WORDS = 4000
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-# The words of vLLM's own long-document benchmark script (documents are "{i}hi hi hi ...",
-# warm-up prompts "This is warm up request {i}hi hi ..."), after the `w` words so that the
-# ids and weights of everything before them stay as they were.
-EXTRA_WORDS = ("hi", *(f"{i}hi" for i in range(256)), "This", "is", "warm", "up", "request")
+# The words of vLLM's own long-document benchmark script (documents are "{i}hi hi hi
+# ...", warm-up prompts "This is warm up request {i}hi hi ..."), after the `w` words so
+# that the ids and weights of everything before them stay as they were.
+EXTRA_WORDS = (
+    "hi",
+    *(f"{i}hi" for i in range(256)),
+    "This",
+    "is",
+    "warm",
+    "up",
+    "request",
+)
 
 
 @dataclass(frozen=True)
@@ -32,8 +41,9 @@ class TinyLlamaShape:
     intermediate_size: int = 512
     max_position_embeddings: int = 16384
     seed: int = 0
-    # Gemma-2 style when set: even layers attend to a sliding window of this many tokens,
-    # odd layers to the whole context, and vLLM's hybrid KV cache manager makes two groups.
+    # Gemma-2 style when set: even layers attend to a sliding window of this many
+    # tokens, odd layers to the whole context, and vLLM's hybrid KV cache manager makes
+    # two groups.
     sliding_window: int | None = None
 
     @property
@@ -62,7 +72,9 @@ def vocabulary() -> list[str]:
 def _stamp(shape: TinyLlamaShape) -> dict[str, object]:
     stamp = asdict(shape) | {"vocab_size": len(vocabulary())}
     if stamp["sliding_window"] is None:
-        del stamp["sliding_window"]  # the stamp of models written before the field existed
+        del stamp[
+            "sliding_window"
+        ]  # the stamp of models written before the field existed
     return stamp
 
 
@@ -77,7 +89,9 @@ def random_token_ids(rng: random.Random, n: int) -> list[int]:
     return [first + rng.randrange(VOCAB_WORDS) for _ in range(n)]
 
 
-def ensure_tiny_llama(shape: TinyLlamaShape = TEST_SHAPE, root: Path | None = None) -> Path:
+def ensure_tiny_llama(
+    shape: TinyLlamaShape = TEST_SHAPE, root: Path | None = None
+) -> Path:
     """Returns the folder of the model of `shape`, generating it on first use."""
     folder = (root or cache_root()) / "models" / shape.name
     stamp = folder / "shape.json"
@@ -108,7 +122,9 @@ def _write_tokenizer(folder: Path) -> None:
                 "unk_token": "<unk>",
                 "add_bos_token": False,
                 "model_max_length": 1 << 20,
-                "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+                "chat_template": (
+                    "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                ),
             }
         )
     )
@@ -180,7 +196,8 @@ def _write_weights(folder: Path, shape: TinyLlamaShape) -> None:
             p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
         }
-    # The extra words' rows come last from the generator: every other weight is unchanged.
+    # The extra words' rows come last from the generator: every other weight is
+    # unchanged.
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         tensors[name] = torch.cat([tensors[name], rand(len(EXTRA_WORDS), h)])
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -1,10 +1,11 @@
 """A pytest plugin that loads this package into a run of vLLM's own test suite.
 
-vLLM applies its general plugins only when it builds EngineArgs, and the import hook only when
-`vllm.engine.arg_utils` is imported, so a run of vLLM's unit tests might never load ours and a
-"plugin loaded" count would silently be a plain one. `-p vllm_cpu_offload.testing.vllm_suite_plugin`
-applies the plugin before collection and fails any test after which it is no longer in place
-(checked per test, so that it also holds in pytest-xdist's worker processes, where the tests run).
+vLLM applies its general plugins only when it builds EngineArgs, and the import hook
+only when `vllm.engine.arg_utils` is imported, so a run of vLLM's unit tests might never
+load ours and a "plugin loaded" count would silently be a plain one. `-p
+vllm_cpu_offload.testing.vllm_suite_plugin` applies the plugin before collection and
+fails any test after which it is no longer in place (checked per test, so that it also
+holds in pytest-xdist's worker processes, where the tests run).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 
 
 def plugin_in_place() -> list[str]:
-    """What of the plugin is missing from vLLM right now (empty when all of it is there)."""
+    """What of the plugin is missing from vLLM right now (empty when all of it is
+    there)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from vllm_cpu_offload import flags, omp_cores
@@ -46,5 +48,7 @@ def pytest_runtest_makereport(
         missing = plugin_in_place()
         if missing:
             report.outcome = "failed"
-            report.longrepr = f"vllm_cpu_offload is no longer in place: {', '.join(missing)}"
+            report.longrepr = (
+                f"vllm_cpu_offload is no longer in place: {', '.join(missing)}"
+            )
     return report

@@ -1,11 +1,12 @@
-"""Triton kernels that copy scattered KV blocks between device memory and the host buffer.
+"""Triton kernels that copy scattered KV blocks between device memory and the host
+buffer.
 
 One launch copies a batch of (device block, host block) pairs for any set of layers that
-share one `KVLayout`, in either direction: every layer of a step's stores, or one layer of
-a step's loads. The data moves as raw integer words (the widest of 8/4/2/1 bytes that every
-address, stride and run length allows), so bf16, fp16, fp8 and fp32 caches are all the same
-to it. Host memory is pinned and mapped, so the kernel reads and writes it directly: no
-staging copy, and one launch instead of one DMA per block.
+share one `KVLayout`, in either direction: every layer of a step's stores, or one layer
+of a step's loads. The data moves as raw integer words (the widest of 8/4/2/1 bytes that
+every address, stride and run length allows), so bf16, fp16, fp8 and fp32 caches are all
+the same to it. Host memory is pinned and mapped, so the kernel reads and writes it
+directly: no staging copy, and one launch instead of one DMA per block.
 
 Imports torch and triton only.
 """
@@ -22,13 +23,14 @@ import triton.language as tl
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 
-# A launch runs a fixed number of programs that stride over its work items: PCIe, not the
-# SMs, bounds the copy, and every SM a copy holds is one the forward pass beside it loses.
-# Measured on an H100 (PCIe 5.0 x16), 128 scattered blocks of a Llama-3-8B cache: 16 to 32
-# programs of 1024 8-byte words and 4 warps copy as fast as a grid of one program per 8 KiB
-# (about 48 GB/s device->host, 46 GB/s host->device), 8 programs lose a quarter of the
-# host->device rate, and a concurrent GEMM slows by about 1.3-1.5x beside 16-32 programs
-# against 6x beside the full grid. `benchmarks/transfer.py --sweep` re-measures these.
+# A launch runs a fixed number of programs that stride over its work items: PCIe, not
+# the SMs, bounds the copy, and every SM a copy holds is one the forward pass beside it
+# loses. Measured on an H100 (PCIe 5.0 x16), 128 scattered blocks of a Llama-3-8B cache:
+# 16 to 32 programs of 1024 8-byte words and 4 warps copy as fast as a grid of one
+# program per 8 KiB (about 48 GB/s device->host, 46 GB/s host->device), 8 programs lose
+# a quarter of the host->device rate, and a concurrent GEMM slows by about 1.3-1.5x
+# beside 16-32 programs against 6x beside the full grid. `benchmarks/transfer.py
+# --sweep` re-measures these.
 BLOCK_WORDS = 1024
 NUM_WARPS = 4
 NUM_PROGRAMS = 32
@@ -82,15 +84,21 @@ def _copy_blocks_kernel(
 
 
 def word_bytes(*byte_counts: int) -> int:
-    """Widest copy word (8, 4, 2 or 1 bytes) dividing every address, stride and size given."""
+    """Widest copy word (8, 4, 2 or 1 bytes) dividing every address, stride and size
+    given."""
     return math.gcd(8, *byte_counts)
 
 
 class _LayoutGroup:
-    """Layers that share one layout: one launch covers any subset given by index range."""
+    """Layers that share one layout: one launch covers any subset given by index
+    range."""
 
     def __init__(
-        self, layout: KVLayout, names: list[str], tensors: list[torch.Tensor], host: HostBuffer
+        self,
+        layout: KVLayout,
+        names: list[str],
+        tensors: list[torch.Tensor],
+        host: HostBuffer,
     ) -> None:
         self.layout = layout
         self.names = names
@@ -119,7 +127,12 @@ class _LayoutGroup:
         self.num_tiles = triton.cdiv(self.chunk_words, BLOCK_WORDS)
 
     def launch(
-        self, to_host: bool, device_ids: torch.Tensor, host_ids: torch.Tensor, lo: int, hi: int
+        self,
+        to_host: bool,
+        device_ids: torch.Tensor,
+        host_ids: torch.Tensor,
+        lo: int,
+        hi: int,
     ) -> None:
         num_pairs = device_ids.numel()
         if num_pairs == 0 or hi <= lo:
@@ -148,7 +161,8 @@ class _LayoutGroup:
 
 
 class TritonBlockCopier:
-    """Copies blocks between the device KV caches and a `HostBuffer` with Triton kernels.
+    """Copies blocks between the device KV caches and a `HostBuffer` with Triton
+    kernels.
 
     `kv_caches` holds the layers that own a host slot (one tensor per distinct cache).
     Launches go to the current stream; callers pick the stream. Block ids must be int64
@@ -157,11 +171,15 @@ class TritonBlockCopier:
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer) -> None:
         self._groups = [
-            _LayoutGroup(host.layouts[names[0]], names, [kv_caches[n] for n in names], host)
+            _LayoutGroup(
+                host.layouts[names[0]], names, [kv_caches[n] for n in names], host
+            )
             for names in host.layout_groups(kv_caches)
         ]
         self._where = {
-            name: (group, i) for group in self._groups for i, name in enumerate(group.names)
+            name: (group, i)
+            for group in self._groups
+            for i, name in enumerate(group.names)
         }
 
     def copy(
@@ -171,9 +189,11 @@ class TritonBlockCopier:
         host_ids: torch.Tensor,
         layers: Sequence[str] | None = None,
     ) -> None:
-        """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given layers.
+        """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given
+        layers.
 
-        One launch per layout group covers all layers; a single named layer is one launch.
+        One launch per layout group covers all layers; a single named layer is one
+        launch.
         """
         if layers is None:
             for group in self._groups:

@@ -1,11 +1,13 @@
-"""Shares the pieces of one CPU block copy between the calling thread and helper threads.
+"""Shares the pieces of one CPU block copy between the calling thread and helper
+threads.
 
-Why not ATen's OpenMP pool: a parallel region ends in a spinning barrier that waits for its
-slowest thread, and on a machine whose cores are busy with anything else (here: another
-process on one of 2 cores) a 2 MiB copy took 7 ms with 2 threads and 0.15 ms with 1. Here
-each thread copies whole pieces with torch's intra-op pool at 1 thread (`copy_` releases
-the GIL); threads pop pieces off one list, so a thread that loses its core just takes fewer,
-and the caller blocks (no spinning) only for pieces already started.
+Why not ATen's OpenMP pool: a parallel region ends in a spinning barrier that waits for
+its slowest thread, and on a machine whose cores are busy with anything else (here:
+another process on one of 2 cores) a 2 MiB copy took 7 ms with 2 threads and 0.15 ms
+with 1. Here each thread copies whole pieces with torch's intra-op pool at 1 thread
+(`copy_` releases the GIL); threads pop pieces off one list, so a thread that loses its
+core just takes fewer, and the caller blocks (no spinning) only for pieces already
+started.
 
 Imports torch and the standard library only.
 """
@@ -25,30 +27,31 @@ import torch
 # hand-offs once memory bandwidth is saturated.
 MAX_THREADS = 4
 
-# vLLM's CPU worker replaces `torch.set_num_threads` with a no-op that logs a warning once
-# it has bound its OpenMP threads. The setting is per calling thread, so call ATen's.
+# vLLM's CPU worker replaces `torch.set_num_threads` with a no-op that logs a warning
+# once it has bound its OpenMP threads. The setting is per calling thread, so call
+# ATen's.
 set_threads = torch._C.set_num_threads
 
 Piece = TypeVar("Piece")
 
 
 def default_threads() -> int:
-    """torch's intra-op thread count, at most the cores the copy threads may use
+    """The intra-op thread count of torch, at most the cores the copy threads may use
     (`copy_cores`), at most `MAX_THREADS`."""
     return max(1, min(torch.get_num_threads(), len(copy_cores()), MAX_THREADS))
 
 
 def copy_cores() -> list[int]:
-    """The cores that one copy may run on: the calling thread's own, or, where the calling
-    thread may run on one core only, those of this process's OpenMP pool.
+    """The cores that one copy may run on: the calling thread's own, or, where the
+    calling thread may run on one core only, those of this process's OpenMP pool.
 
     vLLM's CPU worker binds its OpenMP threads one to a core (`GOMP_CPU_AFFINITY`,
-    `KMP_AFFINITY` or `OMP_PLACES`, set before the worker starts) and that pins the initial
-    thread, which runs the connector, to the first of them. Between forward passes the pool
-    idles, so its cores are the ones a copy can borrow (measured inside a vLLM worker in
-    docs/transfer.md: about 30% more GB/s for scattered 8B blocks). Cores are kept only
-    where some thread of this process may run, so a binding list from another process's
-    environment adds none.
+    `KMP_AFFINITY` or `OMP_PLACES`, set before the worker starts) and that pins the
+    initial thread, which runs the connector, to the first of them. Between forward
+    passes the pool idles, so its cores are the ones a copy can borrow (measured inside
+    a vLLM worker in docs/transfer.md: about 30% more GB/s for scattered 8B blocks).
+    Cores are kept only where some thread of this process may run, so a binding list
+    from another process's environment adds none.
     """
     own = _affinity(0)
     if len(own) != 1:
@@ -58,9 +61,12 @@ def copy_cores() -> list[int]:
 
 
 def helper_cores(threads: int) -> list[int]:
-    """One core for each of `threads - 1` helpers, none of them the caller's, when the caller
-    is pinned to one core; empty (helpers inherit the caller's mask) otherwise."""
-    own = _affinity(0)  # several cores: `copy_cores` is exactly these, so no helper core
+    """One core for each of `threads - 1` helpers, none of them the caller's, when the
+    caller is pinned to one core; empty (helpers inherit the caller's mask)
+    otherwise."""
+    own = _affinity(
+        0
+    )  # several cores: `copy_cores` is exactly these, so no helper core
     return [core for core in copy_cores() if core not in own][: threads - 1]
 
 
@@ -71,8 +77,9 @@ def _affinity(tid: int) -> set[int]:
 
 
 def _process_cores() -> set[int]:
-    """The union of the masks of this process's threads (the initial thread alone is pinned
-    to one core in a vLLM worker; its OpenMP threads are pinned to the others)."""
+    """The union of the masks of this process's threads (the initial thread alone is
+    pinned to one core in a vLLM worker; its OpenMP threads are pinned to the
+    others)."""
     cores: set[int] = set()
     try:
         tids = os.listdir("/proc/self/task")
@@ -87,8 +94,9 @@ def _process_cores() -> set[int]:
 
 
 def _openmp_binding() -> set[int]:
-    """Cores named by the OpenMP binding in the environment; empty when there is none or it
-    has a form this does not read (a place list with lengths or strides, for instance)."""
+    """Cores named by the OpenMP binding in the environment; empty when there is none or
+    it has a form this does not read (a place list with lengths or strides, for
+    instance)."""
     env = os.environ
     text = env.get("GOMP_CPU_AFFINITY", "")
     kmp = env.get("KMP_AFFINITY", "")
@@ -138,14 +146,17 @@ class CopyThreads:
         )
         pool = torch.get_num_threads()
         started = threading.Barrier(threads)
-        for _ in range(threads - 1):  # each blocks until all have started: one thread each
+        for _ in range(
+            threads - 1
+        ):  # each blocks until all have started: one thread each
             self._helpers.submit(started.wait)
         started.wait()
         set_threads(pool)  # the helpers' call also set ATen's default for new threads
 
     def run(self, pieces: list[Piece], copy: Callable[[Piece], None]) -> None:
-        """`copy(piece)` for every piece, on all threads. The first error is raised once no
-        thread touches the buffers any more. The caller sets its own intra-op pool to 1."""
+        """`copy(piece)` for every piece, on all threads. The first error is raised once
+        no thread touches the buffers any more. The caller sets its own intra-op pool to
+        1."""
         work = _Work(pieces, copy)
         for _ in range(self.threads - 1):
             self._helpers.submit(work.drain)
@@ -171,7 +182,8 @@ class _Work(Generic[Piece]):
         self._changed = threading.Condition(threading.Lock())
 
     def drain(self) -> None:
-        """Copies pieces until none is left; the first error is kept and stops the rest."""
+        """Copies pieces until none is left; the first error is kept and stops the
+        rest."""
         with self._changed:
             piece = self._take()
         while piece is not None:

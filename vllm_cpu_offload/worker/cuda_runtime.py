@@ -1,9 +1,9 @@
 """The few CUDA runtime calls that torch does not expose, through ctypes.
 
-`cudaMemcpyBatchAsync` (CUDA 12.8+) queues many scattered copies on the copy engines in one
-call; `cudaMemcpy2DAsync` queues one pitched copy (rows of one width at fixed strides on
-both sides), which a copy engine runs as a single descriptor. Both reach the runtime that
-torch itself loaded. Imports torch only.
+`cudaMemcpyBatchAsync` (CUDA 12.8+) queues many scattered copies on the copy engines in
+one call; `cudaMemcpy2DAsync` queues one pitched copy (rows of one width at fixed
+strides on both sides), which a copy engine runs as a single descriptor. Both reach the
+runtime that torch itself loaded. Imports torch only.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import os
 import torch
 
 _MIN_RUNTIME = 12080  # CUDA 12.8: first runtime with cudaMemcpyBatchAsync
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+_MEMCPY_DEFAULT = (
+    4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+)
 _ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 
 
@@ -33,7 +35,8 @@ class MemcpyAttributes(ctypes.Structure):
 
 
 class CudaRuntime:
-    """Bindings to the CUDA runtime torch loaded; `available` is False where it lacks them."""
+    """Bindings to the CUDA runtime torch loaded; `available` is False where it lacks
+    them."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -47,8 +50,12 @@ class CudaRuntime:
             self.why_unavailable = "cudaRuntimeGetVersion failed"
             return
         self.version = version.value
-        if self.version < _MIN_RUNTIME or not hasattr(self._lib, "cudaMemcpyBatchAsync"):
-            self.why_unavailable = f"CUDA runtime {self.version} has no cudaMemcpyBatchAsync"
+        if self.version < _MIN_RUNTIME or not hasattr(
+            self._lib, "cudaMemcpyBatchAsync"
+        ):
+            self.why_unavailable = (
+                f"CUDA runtime {self.version} has no cudaMemcpyBatchAsync"
+            )
             return
         # CUDA 13 dropped the `failIdx` out-parameter that 12.8 and 12.9 have.
         self._has_fail_index = self.version < 13000
@@ -86,12 +93,22 @@ class CudaRuntime:
         args.append(ctypes.c_void_p(stream))
         code = self._lib.cudaMemcpyBatchAsync(*args)
         if code != 0:
-            raise RuntimeError(f"cudaMemcpyBatchAsync of {count} copies returned error {code}")
+            raise RuntimeError(
+                f"cudaMemcpyBatchAsync of {count} copies returned error {code}"
+            )
 
     def memcpy_2d(
-        self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
+        self,
+        dst: int,
+        dpitch: int,
+        src: int,
+        spitch: int,
+        width: int,
+        height: int,
+        stream: int,
     ) -> None:
-        """Queues `height` rows of `width` bytes, `spitch` apart at `src`, `dpitch` at `dst`."""
+        """Queues `height` rows of `width` bytes, `spitch` apart at `src`, `dpitch` at
+        `dst`."""
         assert self._lib is not None
         code = self._lib.cudaMemcpy2DAsync(
             ctypes.c_void_p(dst),
@@ -117,7 +134,8 @@ class CudaRuntime:
 
 
 def _load_cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime torch was built with: by soname if loaded, else from its wheels."""
+    """The CUDA runtime torch was built with: by soname if loaded, else from its
+    wheels."""
     major = (torch.version.cuda or "").split(".")[0]
     names = [f"libcudart.so.{major}"] if major else []
     names.append("libcudart.so")

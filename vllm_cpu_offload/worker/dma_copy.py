@@ -1,21 +1,24 @@
 """Block copies on the GPU's copy engines (DMA), with the same interface as the kernels.
 
-A kernel that moves bytes over PCIe holds streaming multiprocessors for the whole transfer,
-and the forward pass beside it loses them: a persistent GEMM stalls behind a single busy SM.
-The copy engines cost the forward nothing; they cost the host a call per copy instead.
+A kernel that moves bytes over PCIe holds streaming multiprocessors for the whole
+transfer, and the forward pass beside it loses them: a persistent GEMM stalls behind a
+single busy SM. The copy engines cost the forward nothing; they cost the host a call per
+copy instead.
 
 Two ways to feed them (`cuda_runtime.py`):
-- Pitched: where one layout group's layers sit at a fixed distance in one allocation, as in
-  vLLM 0.32's layer-compact layouts, and each layer-block is one run, a block's runs of
-  every layer are `layers` rows of one 2D copy: one `cudaMemcpy2DAsync` per block moves the
-  whole block. Used when a call copies every layer (stores at the end of a step).
+- Pitched: where one layout group's layers sit at a fixed distance in one allocation, as
+  in vLLM 0.32's layer-compact layouts, and each layer-block is one run, a block's runs
+  of every layer are `layers` rows of one 2D copy: one `cudaMemcpy2DAsync` per block
+  moves the whole block. Used when a call copies every layer (stores at the end of a
+  step).
 - Batched: every (pair, layer, run) is one copy of one contiguous run, queued by
-  `cudaMemcpyBatchAsync` (CUDA 12.8+), thousands per call. Copies that continue each other
-  on both sides (a block-outermost layout, consecutive blocks) are merged first. The
-  address table of a batch is built once, with torch on the host, and sliced per layer.
+  `cudaMemcpyBatchAsync` (CUDA 12.8+), thousands per call. Copies that continue each
+  other on both sides (a block-outermost layout, consecutive blocks) are merged first.
+  The address table of a batch is built once, with torch on the host, and sliced per
+  layer.
 
-A stream feeds one copy engine at a time, and each copy costs the engine set-up time, so a
-launch forks over up to `NUM_STREAMS` streams of its own and joins them back into the
+A stream feeds one copy engine at a time, and each copy costs the engine set-up time, so
+a launch forks over up to `NUM_STREAMS` streams of its own and joins them back into the
 caller's stream. Measured on an H100 (PCIe 5.0 x16), 64 KiB runs: 1 / 4 / 8 streams move
 56 / 81 / 90% of a plain pinned memcpy (`benchmarks/transfer.py --run-sweep`).
 
@@ -37,7 +40,8 @@ from vllm_cpu_offload.worker.cuda_runtime import (
 )
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
-# cudaMemcpySrcAccessOrderStream: the source is read in stream order, like cudaMemcpyAsync.
+# cudaMemcpySrcAccessOrderStream: the source is read in stream order, like
+# cudaMemcpyAsync.
 _ACCESS_ORDER_STREAM = 1
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2
 # cudaMemcpyFlagPreferOverlapWithCompute: keep the copies off the SMs the forward uses.
@@ -49,10 +53,15 @@ _CACHED_BATCHES = 4
 
 
 class _Group:
-    """Layers that share one layout: their run addresses as `[layers, 1, runs]` tables."""
+    """Layers that share one layout: their run addresses as `[layers, 1, runs]`
+    tables."""
 
     def __init__(
-        self, names: list[str], caches: list[torch.Tensor], host: HostBuffer, max_pitch: int
+        self,
+        names: list[str],
+        caches: list[torch.Tensor],
+        host: HostBuffer,
+        max_pitch: int,
     ) -> None:
         layout = host.layouts[names[0]]
         self.names = names
@@ -62,11 +71,14 @@ class _Group:
         slots = [host.slot_offsets[n] for n in names]
         device_base = torch.tensor(device_addrs, dtype=torch.int64)
         host_base = host.tensor.data_ptr() + torch.tensor(slots, dtype=torch.int64)
-        self.device_runs = (device_base[:, None] + runs * layout.chunk_stride)[:, None, :]
+        self.device_runs = (device_base[:, None] + runs * layout.chunk_stride)[
+            :, None, :
+        ]
         self.host_runs = (host_base[:, None] + runs * layout.chunk_bytes)[:, None, :]
         self.device_block_stride = layout.block_stride
         self.host_block_stride = host.block_bytes
-        # (device pitch, host pitch) when a block of every layer is one 2D copy, else None.
+        # (device pitch, host pitch) when a block of every layer is one 2D copy, else
+        # None.
         self.pitches: tuple[int, int] | None = None
         device_step, host_step = _step(device_addrs), _step(slots)
         one_run = layout.num_chunks == 1 and len(names) > 1
@@ -76,9 +88,12 @@ class _Group:
         self.first_host = host.tensor.data_ptr() + slots[0]
 
 
-def copy_attributes(device: int, *, buffer_on_device: bool = False) -> dict[bool, MemcpyAttributes]:
-    """Batch attributes by direction (True: caches to buffer) for copies between the caches
-    on `device` and a pinned host buffer, or a staging buffer on the same device."""
+def copy_attributes(
+    device: int, *, buffer_on_device: bool = False
+) -> dict[bool, MemcpyAttributes]:
+    """Batch attributes by direction (True: caches to buffer) for copies between the
+    caches on `device` and a pinned host buffer, or a staging buffer on the same
+    device."""
     caches = MemLocation(_LOCATION_DEVICE, device)
     buffer = caches if buffer_on_device else MemLocation(_LOCATION_HOST, 0)
     order, flags = _ACCESS_ORDER_STREAM, _FLAG_PREFER_OVERLAP
@@ -89,9 +104,12 @@ def copy_attributes(device: int, *, buffer_on_device: bool = False) -> dict[bool
 
 
 @contextmanager
-def forked(streams: Sequence[torch.cuda.Stream], device: torch.device) -> Iterator[None]:
-    """Side `streams` start after the current stream's work so far, and its later work waits
-    for them, also when the body raises (no copy is left running behind the caller)."""
+def forked(
+    streams: Sequence[torch.cuda.Stream], device: torch.device
+) -> Iterator[None]:
+    """Side `streams` start after the current stream's work so far, and its later work
+    waits for them, also when the body raises (no copy is left running behind the
+    caller)."""
     current = torch.cuda.current_stream(device)
     for stream in streams:
         stream.wait_stream(current)
@@ -114,7 +132,9 @@ def queue_batches(
         for stream, lo, hi in zip(streams, bounds, bounds[1:], strict=False):
             if hi > lo:
                 stream_handle = stream.cuda_stream
-                runtime.memcpy_batch(dst[lo:hi], src[lo:hi], sizes[lo:hi], attrs, stream_handle)
+                runtime.memcpy_batch(
+                    dst[lo:hi], src[lo:hi], sizes[lo:hi], attrs, stream_handle
+                )
 
 
 def _step(values: list[int]) -> int:
@@ -122,7 +142,9 @@ def _step(values: list[int]) -> int:
     if len(values) < 2:
         return 0
     step = values[1] - values[0]
-    ok = step > 0 and all(b - a == step for a, b in zip(values, values[1:], strict=False))
+    ok = step > 0 and all(
+        b - a == step for a, b in zip(values, values[1:], strict=False)
+    )
     return step if ok else 0
 
 
@@ -130,9 +152,9 @@ class DmaBlockCopier:
     """Copies blocks between the device KV caches and a pinned `HostBuffer` by DMA.
 
     `kv_caches` holds the layers that own a host slot. Launches go to the current stream
-    (forked over the copier's own streams and joined back). Block ids are int64 tensors on
-    the host (`ids_on_host`), validated by the caller. `copy` raises if the runtime rejects
-    a copy (the engine fails those jobs).
+    (forked over the copier's own streams and joined back). Block ids are int64 tensors
+    on the host (`ids_on_host`), validated by the caller. `copy` raises if the runtime
+    rejects a copy (the engine fails those jobs).
     """
 
     ids_on_host = True
@@ -152,9 +174,12 @@ class DmaBlockCopier:
             for names in host.layout_groups(kv_caches)
         ]
         # layer name -> (its group's index, its row in the group's tables)
-        self._where = {n: (k, i) for k, g in enumerate(self._groups) for i, n in enumerate(g.names)}
+        self._where = {
+            n: (k, i) for k, g in enumerate(self._groups) for i, n in enumerate(g.names)
+        }
         self._attrs = copy_attributes(index, buffer_on_device=host.tensor.is_cuda)
-        # Tables of the latest batches (a step's loads and stores): per-layer calls reuse them.
+        # Tables of the latest batches (a step's loads and stores): per-layer calls
+        # reuse them.
         self._cached: list[tuple[torch.Tensor, torch.Tensor, list[_Tables]]] = []
         # The runtime refuses batches on the legacy default stream; these never are.
         self._streams = [torch.cuda.Stream(self._device) for _ in range(NUM_STREAMS)]
@@ -171,12 +196,14 @@ class DmaBlockCopier:
         host_ids: torch.Tensor,
         layers: Sequence[str] | None = None,
     ) -> None:
-        """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given layers."""
+        """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given
+        layers."""
         if device_ids.numel() == 0:
             return
         if layers is None and self.pitched:
             self._fork(
-                device_ids.numel(), lambda used: self._pitched(to_host, device_ids, host_ids, used)
+                device_ids.numel(),
+                lambda used: self._pitched(to_host, device_ids, host_ids, used),
             )
             return
         tables = self._tables(device_ids, host_ids)
@@ -190,9 +217,13 @@ class DmaBlockCopier:
             batches.append((dst, src, t.layer_sizes))
         count = sum(b[0].numel() for b in batches)
         attrs = self._attrs[to_host]
-        self._fork(count, lambda used: queue_batches(self._runtime, attrs, batches, used))
+        self._fork(
+            count, lambda used: queue_batches(self._runtime, attrs, batches, used)
+        )
 
-    def _fork(self, count: int, queue: Callable[[list[torch.cuda.Stream]], None]) -> None:
+    def _fork(
+        self, count: int, queue: Callable[[list[torch.cuda.Stream]], None]
+    ) -> None:
         """Runs `queue` over as many of the copier's streams as `count` copies fill."""
         num_streams = max(1, min(len(self._streams), count // MIN_COPIES_PER_STREAM))
         used = self._streams[:num_streams]
@@ -218,40 +249,56 @@ class DmaBlockCopier:
                 host = g.first_host + h * g.host_block_stride
                 stream = handles[k % len(handles)]
                 if to_host:
-                    memcpy_2d(host, host_pitch, device, device_pitch, width, rows, stream)
+                    memcpy_2d(
+                        host, host_pitch, device, device_pitch, width, rows, stream
+                    )
                 else:
-                    memcpy_2d(device, device_pitch, host, host_pitch, width, rows, stream)
+                    memcpy_2d(
+                        device, device_pitch, host, host_pitch, width, rows, stream
+                    )
 
-    def _tables(self, device_ids: torch.Tensor, host_ids: torch.Tensor) -> list[_Tables]:
+    def _tables(
+        self, device_ids: torch.Tensor, host_ids: torch.Tensor
+    ) -> list[_Tables]:
         for d, h, tables in self._cached:
             if d is device_ids and h is host_ids:
                 return tables
         d = device_ids.to("cpu", torch.int64).reshape(-1)
         h = host_ids.to("cpu", torch.int64).reshape(-1)
         tables = [_Tables(g, d, h) for g in self._groups]
-        # Holding the id tensors keeps their identity from being reused by another batch.
-        self._cached = [(device_ids, host_ids, tables), *self._cached[: _CACHED_BATCHES - 1]]
+        # Holding the id tensors keeps their identity from being reused by another
+        # batch.
+        self._cached = [
+            (device_ids, host_ids, tables),
+            *self._cached[: _CACHED_BATCHES - 1],
+        ]
         return tables
 
 
 class _Tables:
-    """Source and destination addresses of every run of one batch for one layout group."""
+    """Source and destination addresses of every run of one batch for one layout
+    group."""
 
     def __init__(self, group: _Group, d: torch.Tensor, h: torch.Tensor) -> None:
         order = d.argsort(stable=True)  # device order: neighbouring blocks can merge
         d, h = d[order], h[order]
         # [layers, pairs, runs]: one layer's runs are one contiguous row.
-        self._device = group.device_runs + (d * group.device_block_stride)[None, :, None]
+        self._device = (
+            group.device_runs + (d * group.device_block_stride)[None, :, None]
+        )
         self._host = group.host_runs + (h * group.host_block_stride)[None, :, None]
         layers = len(group.names)
         self.device = self._device.reshape(layers, -1)
         self.host = self._host.reshape(layers, -1)
         self.chunk_bytes = group.chunk_bytes
-        self.layer_sizes = torch.full((self.device.shape[1],), group.chunk_bytes, dtype=torch.int64)
+        self.layer_sizes = torch.full(
+            (self.device.shape[1],), group.chunk_bytes, dtype=torch.int64
+        )
         self._merged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def merged(self, to_host: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(dsts, srcs, sizes) of every layer, with copies that continue each other merged."""
+        """(dsts, srcs, sizes) of every layer, with copies that continue each other
+        merged."""
         if self._merged is None:
             # Pair-major order, so that a block's layers merge where memory allows.
             device = self._device.permute(1, 0, 2).reshape(-1)
@@ -264,13 +311,19 @@ class _Tables:
 def merge_runs(
     device: torch.Tensor, host: torch.Tensor, chunk_bytes: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(device, host, sizes): runs of `chunk_bytes` at these addresses, each joined to the
-    previous one where it continues it on both sides. O(runs), vectorized."""
+    """(device, host, sizes): runs of `chunk_bytes` at these addresses, each joined to
+    the previous one where it continues it on both sides. O(runs), vectorized."""
     if device.numel() <= 1:
         return device, host, torch.full_like(device, chunk_bytes)
-    joins = (device[1:] == device[:-1] + chunk_bytes) & (host[1:] == host[:-1] + chunk_bytes)
+    joins = (device[1:] == device[:-1] + chunk_bytes) & (
+        host[1:] == host[:-1] + chunk_bytes
+    )
     starts = torch.ones_like(device, dtype=torch.bool)
     starts[1:] = ~joins
     first = starts.nonzero().reshape(-1)
     ends = torch.cat([first[1:], torch.tensor([device.numel()])])
-    return device[first].contiguous(), host[first].contiguous(), (ends - first) * chunk_bytes
+    return (
+        device[first].contiguous(),
+        host[first].contiguous(),
+        (ends - first) * chunk_bytes,
+    )

@@ -1,11 +1,11 @@
 """Test-only fault injection: fail a chosen share of the worker's loads and stores.
 
-`VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE=0.3` makes each worker report about 30% of its transfer
-jobs as failed without copying them, as a broken copy would. It exercises the fault path of
-a real engine: a failed load becomes a recompute (vLLM's `kv_load_failure_policy=recompute`,
-which the flags set), a failed store a miss. The draw is seeded
-(`VLLM_CPU_OFFLOAD_TEST_FAIL_SEED`, default 0), so a run is reproducible. Unset, nothing
-fails and the worker pays one attribute check per step.
+`VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE=0.3` makes each worker report about 30% of its
+transfer jobs as failed without copying them, as a broken copy would. It exercises the
+fault path of a real engine: a failed load becomes a recompute (vLLM's
+`kv_load_failure_policy=recompute`, which the flags set), a failed store a miss. The
+draw is seeded (`VLLM_CPU_OFFLOAD_TEST_FAIL_SEED`, default 0), so a run is reproducible.
+Unset, nothing fails and the worker pays one attribute check per step.
 """
 
 from __future__ import annotations

@@ -1,24 +1,25 @@
 """The host tier's memory: one allocation of `num_host_blocks` blocks, block-major.
 
 A host block holds every layer's KV of one device block back to back (layer slots in
-registration order; for each layer its runs in order), so one host block is one contiguous
-byte range: evicting, copying or hashing a block never touches another block's memory.
+registration order; for each layer its runs in order), so one host block is one
+contiguous byte range: evicting, copying or hashing a block never touches another
+block's memory.
 
-    byte of (host block h, layer l, run c) = h * block_bytes + slot_offset[l] + c * chunk_bytes
+    byte of (host block h, layer l, run c) = h * block_bytes + slot_offset[l] + c *
+    chunk_bytes
 
-Pinned (page-locked and mapped) when CUDA is available, so device kernels read and write it
-directly; plain memory on the CPU platform, written once at allocation so that every page is
-backed from the start: a store into a page never touched costs a page fault per 4 KiB
-(measured in a vLLM CPU worker: 5-36 ms for a 1,000-token document of the 8-layer benchmark
-model, against 1.3 ms once its pages exist), and memory the host cannot back fails at start,
-not in the middle of serving. Pinning registers an ordinary allocation with
-`cudaHostRegister` instead of asking torch for pinned memory: torch's pinned allocator rounds
-every request up to a power of two, so a 40 GiB `--swap-space` would lock 64 GiB.
-With `--swap-space-path` the same layout lives in a shared mapping of a file that outlives
-the process (`data_file=`, persist/data_file.py). The same layout can live in device memory
-(`device=`): a few blocks of staging for copies that move whole blocks over PCIe
-(`staged_copy.py`).
-This module imports torch only.
+Pinned (page-locked and mapped) when CUDA is available, so device kernels read and write
+it directly; plain memory on the CPU platform, written once at allocation so that every
+page is backed from the start: a store into a page never touched costs a page fault per
+4 KiB (measured in a vLLM CPU worker: 5-36 ms for a 1,000-token document of the 8-layer
+benchmark model, against 1.3 ms once its pages exist), and memory the host cannot back
+fails at start, not in the middle of serving. Pinning registers an ordinary allocation
+with `cudaHostRegister` instead of asking torch for pinned memory: torch's pinned
+allocator rounds every request up to a power of two, so a 40 GiB `--swap-space` would
+lock 64 GiB. With `--swap-space-path` the same layout lives in a shared mapping of a
+file that outlives the process (`data_file=`, persist/data_file.py). The same layout can
+live in device memory (`device=`): a few blocks of staging for copies that move whole
+blocks over PCIe (`staged_copy.py`). This module imports torch only.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class HostBuffer:
         slot_offsets: layer name -> byte offset of its slot inside every host block.
         block_bytes: bytes of one host block (all layers).
         pinned: whether the memory is page-locked.
+
     """
 
     def __init__(
@@ -79,8 +81,12 @@ class HostBuffer:
         self.block_bytes = offset
         self.num_host_blocks = num_host_blocks
         on_device = device is not None and device.type != "cpu"
-        self.pinned = not on_device and (torch.cuda.is_available() if pin is None else pin)
-        if on_device:  # staging, not --swap-space: an allocation error speaks for itself
+        self.pinned = not on_device and (
+            torch.cuda.is_available() if pin is None else pin
+        )
+        if (
+            on_device
+        ):  # staging, not --swap-space: an allocation error speaks for itself
             shape = (num_host_blocks, self.block_bytes)
             self.tensor = torch.empty(shape, dtype=torch.uint8, device=device)
         elif data_file is not None:
@@ -103,7 +109,8 @@ class HostBuffer:
         pin: bool | None = None,
         data_file: TierDataFile | None = None,
     ) -> HostBuffer:
-        """A buffer with one slot per distinct layer tensor (shared KV caches share a slot)."""
+        """A buffer with one slot per distinct layer tensor (shared KV caches share a
+        slot)."""
         canonical = canonical_layers(kv_caches)
         layouts = {
             name: KVLayout.from_tensor(kv_caches[name], num_blocks=num_blocks)
@@ -120,7 +127,8 @@ class HostBuffer:
         return self.tensor[host_block_id]
 
     def layout_groups(self, names: Iterable[str]) -> list[list[str]]:
-        """`names` grouped by their layout, in first-seen order: a copier's launch groups."""
+        """`names` grouped by their layout, in first-seen order: a copier's launch
+        groups."""
         groups: dict[KVLayout, list[str]] = {}
         for name in names:
             groups.setdefault(self.layouts[name], []).append(name)
@@ -138,7 +146,9 @@ def _allocate(num_blocks: int, block_bytes: int) -> torch.Tensor:
         tensor.fill_(0)  # backs every page now (pinning does the same on CUDA)
         return tensor
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        raise _error(num_blocks * block_bytes, "host", f"the allocation failed: {e}") from e
+        raise _error(
+            num_blocks * block_bytes, "host", f"the allocation failed: {e}"
+        ) from e
 
 
 def _pin(t: torch.Tensor) -> None:
@@ -159,7 +169,8 @@ def _error(size: int, kind: str, why: str) -> HostBufferError:
 
 
 def _host_register(ptr: int, size: int) -> int:
-    """Page-locks and maps `size` bytes at `ptr`; returns the CUDA error code (0: success)."""
+    """Page-locks and maps `size` bytes at `ptr`; returns the CUDA error code (0:
+    success)."""
     return int(torch.cuda.cudart().cudaHostRegister(ptr, size, _REGISTER_FLAGS))
 
 

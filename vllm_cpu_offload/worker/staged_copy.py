@@ -3,27 +3,30 @@
 What a copy-engine transfer costs beyond its bytes is paid per contiguous run: over 8
 streams an H100 moves 64 KiB runs at 87-88% of a plain pinned memcpy and 128 KiB runs at
 95% (`benchmarks/transfer.py --run-sweep`, docs/transfer.md). A block of a layer-compact
-layout is one 32-64 KiB run per layer on the device but one contiguous range, all layers,
-in the host buffer. Staging hands the PCIe hop whole blocks:
+layout is one 32-64 KiB run per layer on the device but one contiguous range, all
+layers, in the host buffer. Staging hands the PCIe hop whole blocks:
 
     store: caches --gather, device to device--> staging slot --one DMA per block--> host
-    load:  host --one DMA per block--> staging slot --scatter, device to device--> caches
+    load: host --one DMA per block--> staging slot --scatter, device to device--> caches
 
 The device-to-device hop is an inner copier (the pitched copy-engine path of `dma_copy`,
 or the Triton kernels) pointed at a staging `HostBuffer` in device memory; it moves the
 same bytes at HBM speed, a small share of the PCIe hop's time. A batch goes in chunks of
-`chunk_blocks`, alternating between two halves of each direction's staging, so one chunk's
-device hop runs beside the previous chunk's PCIe hop. One event per half marks its last
-use; whatever refills the half waits for it, so calls from any streams never overwrite a
-chunk still in flight. Loads and stores each have a lane of their own (staging halves,
-streams, device-hop copier), so a load never queues behind a store, or the reverse.
+`chunk_blocks`, alternating between two halves of each direction's staging, so one
+chunk's device hop runs beside the previous chunk's PCIe hop. One event per half marks
+its last use; whatever refills the half waits for it, so calls from any streams never
+overwrite a chunk still in flight. Loads and stores each have a lane of their own
+(staging halves, streams, device-hop copier), so a load never queues behind a store, or
+the reverse.
 
 Only whole-block calls (`layers is None`) are staged; a call for some layers goes to the
-direct copier. Device memory: `4 * chunk_blocks` blocks of staging (two lanes of two halves).
+direct copier. Device memory: `4 * chunk_blocks` blocks of staging (two lanes of two
+halves).
 
-On the CPU platform there is nothing to gain, but the same class runs there (torch copies
-for the device hop, `memmove` for the other), which is how its addressing is tested
-without a GPU. Imports torch only (triton through the kernel copier, when chosen).
+On the CPU platform there is nothing to gain, but the same class runs there (torch
+copies for the device hop, `memmove` for the other), which is how its addressing is
+tested without a GPU. Imports torch only (triton through the kernel copier, when
+chosen).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ GATHERS = ("dma", "kernel")
 class _Lane:
     """One direction's staging halves, streams and device-hop copier."""
 
-    def __init__(self, inner: BlockCopier, slots: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self, inner: BlockCopier, slots: torch.Tensor, device: torch.device
+    ) -> None:
         self.inner = inner
         self.slots = slots  # [2, chunk_blocks] on the host: the slots of each half
         # The same ids where the device hop reads them (on the device for the kernels).
@@ -63,7 +68,8 @@ class _Lane:
 
 
 class StagedBlockCopier:
-    """Copies whole blocks between the device KV caches and `host` through device staging.
+    """Copies whole blocks between the device KV caches and `host` through device
+    staging.
 
     Block ids are int64 tensors on the host (`ids_on_host`). Launches go to the current
     stream (forked over the lane's streams and joined back), like the other copiers.
@@ -84,24 +90,34 @@ class StagedBlockCopier:
         if chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
         if gather not in GATHERS:
-            raise ValueError(f"gather {gather!r} is not known; choose one of: {', '.join(GATHERS)}")
+            raise ValueError(
+                f"gather {gather!r} is not known; choose one of: {', '.join(GATHERS)}"
+            )
         self._device = next(iter(kv_caches.values())).device
         self._cuda = self._device.type == "cuda"
         self.chunk_blocks = chunk_blocks
         self._host = host
-        self.staging = HostBuffer(host.layouts, 4 * chunk_blocks, pin=False, device=self._device)
+        self.staging = HostBuffer(
+            host.layouts, 4 * chunk_blocks, pin=False, device=self._device
+        )
         self._direct: BlockCopier
         if self._cuda:
             self._direct = self._cuda_direct(kv_caches, host)
         else:
             self._direct = TorchBlockCopier(kv_caches, host, threads=1)
-        slots = torch.arange(4 * chunk_blocks, dtype=torch.int64).view(2, 2, chunk_blocks)
+        slots = torch.arange(4 * chunk_blocks, dtype=torch.int64).view(
+            2, 2, chunk_blocks
+        )
         self._lanes = {
-            to_host: _Lane(self._device_hop(kv_caches, gather), lane_slots, self._device)
+            to_host: _Lane(
+                self._device_hop(kv_caches, gather), lane_slots, self._device
+            )
             for to_host, lane_slots in zip((True, False), slots, strict=True)
         }
 
-    def _cuda_direct(self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
+    def _cuda_direct(
+        self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer
+    ) -> BlockCopier:
         from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
         from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier, copy_attributes
 
@@ -112,14 +128,18 @@ class StagedBlockCopier:
             raise RuntimeError("staged block copies need a pinned host buffer")
         self._runtime = runtime
         index = self._device.index if self._device.index is not None else 0
-        # In the PCIe hop, the staging buffer is the "device" side, the host buffer the host.
+        # In the PCIe hop, the staging buffer is the "device" side, the host buffer the
+        # host.
         self._attrs = copy_attributes(index)
         return DmaBlockCopier(kv_caches, host)
 
-    def _device_hop(self, kv_caches: Mapping[str, torch.Tensor], gather: str) -> BlockCopier:
+    def _device_hop(
+        self, kv_caches: Mapping[str, torch.Tensor], gather: str
+    ) -> BlockCopier:
         """A copier between the caches and the staging buffer, with streams of its own.
 
-        On CPU, "dma" stands for torch copies; "kernel" runs in Triton's interpreter only."""
+        On CPU, "dma" stands for torch copies; "kernel" runs in Triton's interpreter
+        only."""
         if not self._cuda and gather == "dma":
             return TorchBlockCopier(kv_caches, self.staging, threads=1)
         if gather == "kernel":
@@ -140,7 +160,8 @@ class StagedBlockCopier:
         host_ids: torch.Tensor,
         layers: Sequence[str] | None = None,
     ) -> None:
-        """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given layers."""
+        """Copies block `device_ids[i]` <-> host block `host_ids[i]` for the given
+        layers."""
         if layers is not None:
             self._direct.copy(to_host, device_ids, host_ids, layers)
             return
@@ -157,7 +178,9 @@ class StagedBlockCopier:
 
     # ---- one chunk ----
 
-    def _store_chunk(self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor) -> None:
+    def _store_chunk(
+        self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor
+    ) -> None:
         n = d.numel()
         if not self._cuda:
             lane.inner.copy(True, d, lane.inner_slots[half, :n])
@@ -168,23 +191,37 @@ class StagedBlockCopier:
         with torch.cuda.stream(lane.gather_stream):
             self._device_hop_copy(lane, True, half, d)
         gathered.record(lane.gather_stream)
-        self._hop(lane, True, h, lane.slots[half, :n], after=gathered, done=lane.last_use[half])
+        self._hop(
+            lane,
+            True,
+            h,
+            lane.slots[half, :n],
+            after=gathered,
+            done=lane.last_use[half],
+        )
 
-    def _load_chunk(self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor) -> None:
+    def _load_chunk(
+        self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor
+    ) -> None:
         n = d.numel()
         if not self._cuda:
             self._hop(lane, False, h, lane.slots[half, :n])
             lane.inner.copy(False, d, lane.inner_slots[half, :n])
             return
         landed = torch.cuda.Event()
-        self._hop(lane, False, h, lane.slots[half, :n], after=lane.last_use[half], done=landed)
+        self._hop(
+            lane, False, h, lane.slots[half, :n], after=lane.last_use[half], done=landed
+        )
         lane.gather_stream.wait_event(landed)
         with torch.cuda.stream(lane.gather_stream):
             self._device_hop_copy(lane, False, half, d)
         lane.last_use[half].record(lane.gather_stream)
 
-    def _device_hop_copy(self, lane: _Lane, to_host: bool, half: int, d: torch.Tensor) -> None:
-        """The device hop of one chunk on the current stream, ids where the copier reads them."""
+    def _device_hop_copy(
+        self, lane: _Lane, to_host: bool, half: int, d: torch.Tensor
+    ) -> None:
+        """The device hop of one chunk on the current stream, ids where the copier reads
+        them."""
         slots = lane.inner_slots[half, : d.numel()]
         lane.inner.copy(to_host, d.to(slots.device, non_blocking=True), slots)
 
@@ -197,8 +234,8 @@ class StagedBlockCopier:
         after: torch.cuda.Event | None = None,
         done: torch.cuda.Event | None = None,
     ) -> None:
-        """Whole blocks between staging `slots` and host blocks `host_ids`: one run per block,
-        runs that continue each other on both sides merged."""
+        """Whole blocks between staging `slots` and host blocks `host_ids`: one run per
+        block, runs that continue each other on both sides merged."""
         from vllm_cpu_offload.worker.dma_copy import merge_runs, queue_batches
 
         size = self._host.block_bytes
@@ -207,7 +244,9 @@ class StagedBlockCopier:
         staged, hosted, sizes = merge_runs(staged, hosted, size)
         dsts, srcs = (hosted, staged) if to_host else (staged, hosted)
         if not self._cuda:
-            for dst, src, nbytes in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+            for dst, src, nbytes in zip(
+                dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True
+            ):
                 ctypes.memmove(dst, src, nbytes)
             return
         assert after is not None and done is not None
@@ -222,7 +261,8 @@ class StagedBlockCopier:
         done.record(used[0])
 
     def _forked(self, lane: _Lane) -> AbstractContextManager[None]:
-        """The lane's streams start after, and end before, the current stream's later work."""
+        """The lane's streams start after, and end before, the current stream's later
+        work."""
         if not self._cuda:
             return nullcontext()
         from vllm_cpu_offload.worker.dma_copy import forked

@@ -1,8 +1,9 @@
-"""The worker half of the connector: runs each step's loads and stores, reports jobs back.
+"""The worker half of the connector: runs each step's loads and stores, reports jobs
+back.
 
-One instance per worker. It owns the host buffer (through the transfer engine), and keeps
-the book of which finished requests still wait for their stores, so that their device
-blocks are freed only after the copies read them.
+One instance per worker. It owns the host buffer (through the transfer engine), and
+keeps the book of which finished requests still wait for their stores, so that their
+device blocks are freed only after the copies read them.
 """
 
 from __future__ import annotations
@@ -13,18 +14,28 @@ from collections import Counter
 
 import torch
 
-from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata, OffloadWorkerReport
+from vllm_cpu_offload.metadata import (
+    BlockTransfer,
+    OffloadStepMetadata,
+    OffloadWorkerReport,
+)
 from vllm_cpu_offload.metrics import OffloadStats
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.fault_injection import FaultInjector
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
-from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine, TransferJob
+from vllm_cpu_offload.worker.transfer_engine import (
+    FinishedJobs,
+    TransferEngine,
+    TransferJob,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def _job(transfer: BlockTransfer) -> TransferJob:
-    return TransferJob(transfer.job_id, transfer.device_block_ids, transfer.host_block_ids)
+    return TransferJob(
+        transfer.job_id, transfer.device_block_ids, transfer.host_block_ids
+    )
 
 
 class HostTierWorker:
@@ -43,18 +54,23 @@ class HostTierWorker:
         self.fence_stores = fence_stores
         self.copy_backend = copy_backend
         self.num_device_blocks = num_device_blocks
-        # With --swap-space-path the host buffer is this file, mapped; else anonymous memory.
+        # With --swap-space-path the host buffer is this file, mapped; else anonymous
+        # memory.
         self.data_file = data_file
         self.engine: TransferEngine | None = None
         self._step_stores: list[TransferJob] = []
         self._store_req: dict[int, str] = {}  # store job in flight -> request
-        self._load_device_blocks: dict[int, list[int]] = {}  # load in flight -> device ids
-        self._stores_in_flight: Counter[str] = Counter()  # request -> store jobs in flight
+        self._load_device_blocks: dict[
+            int, list[int]
+        ] = {}  # load in flight -> device ids
+        self._stores_in_flight: Counter[str] = (
+            Counter()
+        )  # request -> store jobs in flight
         self._awaiting_free: set[str] = set()  # finished requests the scheduler holds
         self._report = OffloadWorkerReport()
         self._load_errors: set[int] = set()
-        # Seconds this worker's steps spent in transfer calls since the last stats report:
-        # the copies themselves on the CPU platform, queueing and waits on CUDA.
+        # Seconds this worker's steps spent in transfer calls since the last stats
+        # report: the copies themselves on the CPU platform, queueing and waits on CUDA.
         self._load_seconds = 0.0
         self._store_seconds = 0.0
         self._faults = FaultInjector.from_env()
@@ -75,7 +91,8 @@ class HostTierWorker:
         return self.engine
 
     def handle_preemptions(self, metadata: OffloadStepMetadata) -> None:
-        """Preempted requests' device blocks can be reused this step: drain their stores."""
+        """Preempted requests' device blocks can be reused this step: drain their
+        stores."""
         if any(self._stores_in_flight[r] for r in metadata.preempted_req_ids):
             self._engine().wait_all()
             self._collect(self._engine().poll_finished())
@@ -88,10 +105,13 @@ class HostTierWorker:
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
-        self._step_stores = [_job(t) for t in self._without_injected_faults(metadata.stores)]
+        self._step_stores = [
+            _job(t) for t in self._without_injected_faults(metadata.stores)
+        ]
 
     def start_loads(self, metadata: OffloadStepMetadata) -> None:
-        """Queues the step's loads; vLLM calls this before the forward when there are any."""
+        """Queues the step's loads; vLLM calls this before the forward when there are
+        any."""
         if not metadata.loads:
             return
         for t in metadata.loads:
@@ -101,7 +121,9 @@ class HostTierWorker:
         self._engine().start_loads(loads)
         self._load_seconds += time.perf_counter() - start
 
-    def _without_injected_faults(self, transfers: list[BlockTransfer]) -> list[BlockTransfer]:
+    def _without_injected_faults(
+        self, transfers: list[BlockTransfer]
+    ) -> list[BlockTransfer]:
         """The transfers to run; the test-only injector fails the others, uncopied."""
         if self._faults is None:
             return transfers
@@ -148,7 +170,8 @@ class HostTierWorker:
         for job_id in finished.failed:
             self._report.failed.add(job_id)
             if job_id in self._load_device_blocks:
-                # vLLM recomputes the tokens of these blocks: a miss, never a wrong token.
+                # vLLM recomputes the tokens of these blocks: a miss, never a wrong
+                # token.
                 self._load_errors.update(self._load_device_blocks.pop(job_id))
             self._store_done(job_id)
         for job_id in (*finished.stores, *finished.loads):
@@ -178,7 +201,10 @@ class HostTierWorker:
         if not self._load_seconds and not self._store_seconds:
             return None
         stats = OffloadStats(
-            data={"load_seconds": self._load_seconds, "store_seconds": self._store_seconds}
+            data={
+                "load_seconds": self._load_seconds,
+                "store_seconds": self._store_seconds,
+            }
         )
         self._load_seconds = self._store_seconds = 0.0
         return stats

@@ -1,22 +1,24 @@
-"""Moves KV blocks between the device caches and the host buffer, one engine step at a time.
+"""Moves KV blocks between the device caches and the host buffer, one engine step at a
+time.
 
-On CUDA, loads run on a high-priority load stream and stores on a store stream, with events
-so that compute waits only for what it reads and never for a store:
+On CUDA, loads run on a high-priority load stream and stores on a store stream, with
+events so that compute waits only for what it reads and never for a store:
 
-    start_loads(jobs)         load stream: wait for compute so far, then one launch per layer,
+    start_loads(jobs) load stream: wait for compute so far, then one launch per layer,
                               each followed by that layer's event
-    wait_for_layer_load(l)    compute stream waits for layer l's event
-    store_layer(l, jobs)      store stream waits for compute so far, then one launch for layer l
-    finish_step()             compute waits for any load not yet waited for; layers that had
+    wait_for_layer_load(l) compute stream waits for layer l's event store_layer(l, jobs)
+    store stream waits for compute so far, then one launch for layer l finish_step()
+    compute waits for any load not yet waited for; layers that had
                               no store hook are stored; one completion event per stream
-    poll_finished()           event.query(): jobs whose completion event fired, never blocks
+    poll_finished() event.query(): jobs whose completion event fired, never blocks
 
-On the CPU platform the same calls copy synchronously (loads at `start_loads`, this step's
-stores all at once in `finish_step`), and everything is finished when `finish_step` returns.
+On the CPU platform the same calls copy synchronously (loads at `start_loads`, this
+step's stores all at once in `finish_step`), and everything is finished when
+`finish_step` returns.
 
-A job whose ids are out of range, or whose copy raises, is reported failed (the connector
-turns that into a recompute); it never raises out of a step or leaves a job unreported.
-Imports torch (and, on CUDA, triton) only.
+A job whose ids are out of range, or whose copy raises, is reported failed (the
+connector turns that into a recompute); it never raises out of a step or leaves a job
+unreported. Imports torch (and, on CUDA, triton) only.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
 
 logger = logging.getLogger(__name__)
 
-# With backend "auto", stores go to the copy engines when every run is at least this long,
-# else to the Triton kernels. Measured on an H100 (`benchmarks/transfer.py --run-sweep`):
-# over 8 streams the copy engines match the kernel from 32 KiB runs up (47-50 GB/s) and
-# beat it from 128 KiB (52 vs 40-45), but collapse below 32 KiB (3-14 GB/s); at 32 KiB a
-# scattered batch also costs the host a microsecond per 32 KiB. Whole blocks of a
-# layer-compact layout go as one pitched copy each, whatever the run.
+# With backend "auto", stores go to the copy engines when every run is at least this
+# long, else to the Triton kernels. Measured on an H100 (`benchmarks/transfer.py
+# --run-sweep`): over 8 streams the copy engines match the kernel from 32 KiB runs up
+# (47-50 GB/s) and beat it from 128 KiB (52 vs 40-45), but collapse below 32 KiB (3-14
+# GB/s); at 32 KiB a scattered batch also costs the host a microsecond per 32 KiB. Whole
+# blocks of a layer-compact layout go as one pitched copy each, whatever the run.
 DMA_MIN_RUN_BYTES = 64 << 10
 
 Ids = Sequence[int] | torch.Tensor
@@ -57,7 +59,8 @@ class TransferJob:
 
 @dataclass
 class FinishedJobs:
-    """Jobs that completed (or failed) since the last poll. A job is in exactly one set."""
+    """Jobs that completed (or failed) since the last poll. A job is in exactly one
+    set."""
 
     stores: set[int] = field(default_factory=set)
     loads: set[int] = field(default_factory=set)
@@ -68,10 +71,11 @@ class FinishedJobs:
 
 
 class BlockCopier(Protocol):
-    """Copies pairs of (device block, host block) for some layers (all when `layers` is None).
+    """Copies pairs of (device block, host block) for some layers (all when `layers` is
+    None).
 
-    Block ids come as int64 tensors on the caches' device, or on the host where the copier
-    has a true `ids_on_host` attribute.
+    Block ids come as int64 tensors on the caches' device, or on the host where the
+    copier has a true `ids_on_host` attribute.
     """
 
     def copy(
@@ -85,8 +89,8 @@ class BlockCopier(Protocol):
 
 @dataclass
 class _Batch:
-    """The valid jobs of one call, with their ids on the host (pinned on CUDA) and, once a
-    kernel needs them, on the device."""
+    """The valid jobs of one call, with their ids on the host (pinned on CUDA) and, once
+    a kernel needs them, on the device."""
 
     job_ids: list[int]
     sizes: list[int]  # blocks of each job, in order
@@ -112,25 +116,27 @@ class TransferEngine:
     """Owns the copies between `kv_caches` and `host_buffer`; see the module docstring.
 
     Args:
-        kv_caches: layer name -> device KV cache, as vLLM registers them. Names that view the
-            same tensor (KV sharing) are copied once.
+        kv_caches: layer name -> device KV cache, as vLLM registers them. Names that
+            view the same tensor (KV sharing) are copied once.
         host_buffer: built for the same caches (`HostBuffer.for_kv_caches`).
         copier: the block copier for loads and stores; by default chosen by `backend`.
         store_copier: a different copier for stores, if any.
         backend: on CUDA, "triton" (kernels both ways), "dma" (copy engines both ways),
-            "staged" (whole blocks through device staging, `staged_copy.py`; loads of every
-            layer in one call, so a layer's wait covers the whole load) or
-            "auto": loads on the kernels (one cheap launch per layer, inside the step), stores
-            on the copy engines where every run is at least `DMA_MIN_RUN_BYTES` (they leave
-            the forward's SMs alone), else on the kernels. Torch views on CPU.
-        layerwise_stores: on CUDA, copy each layer as soon as its hook runs (stores finish
-            early, one launch per layer). False defers them to `finish_step`: one launch for
-            all layers, later completion. The CPU path and DMA stores always defer: a DMA
-            batch costs the host about a microsecond per run, which `finish_step` pays while
-            the device still runs the step's forward.
+            "staged" (whole blocks through device staging, `staged_copy.py`; loads of
+            every layer in one call, so a layer's wait covers the whole load) or "auto":
+            loads on the kernels (one cheap launch per layer, inside the step), stores
+            on the copy engines where every run is at least `DMA_MIN_RUN_BYTES` (they
+            leave the forward's SMs alone), else on the kernels. Torch views on CPU.
+        layerwise_stores: on CUDA, copy each layer as soon as its hook runs (stores
+            finish early, one launch per layer). False defers them to `finish_step`: one
+            launch for all layers, later completion. The CPU path and DMA stores always
+            defer: a DMA batch costs the host about a microsecond per run, which
+            `finish_step` pays while the device still runs the step's forward.
         fence_stores: on CUDA, each step's compute first waits for the stores still
-            running. Needed when vLLM may reuse a device block of a running request in the
-            next step (a sliding-window group releases the blocks that leave its window).
+            running. Needed when vLLM may reuse a device block of a running request in
+            the next step (a sliding-window group releases the blocks that leave its
+            window).
+
     """
 
     def __init__(
@@ -149,8 +155,9 @@ class TransferEngine:
         self.host = host_buffer
         self._canonical = canonical_layers(kv_caches)
         self._layers = list(dict.fromkeys(self._canonical.values()))
-        # Layers writing each tensor: with the hybrid KV cache manager a tensor holds the
-        # blocks of one layer of every group, complete only once each of them has run.
+        # Layers writing each tensor: with the hybrid KV cache manager a tensor holds
+        # the blocks of one layer of every group, complete only once each of them has
+        # run.
         self._writers = Counter(self._canonical.values())
         self._fence_stores = fence_stores
         caches = {name: kv_caches[name] for name in self._layers}
@@ -161,16 +168,22 @@ class TransferEngine:
                 or KVLayout.from_tensor(t, num_blocks=expected.num_blocks) != expected
             ):
                 raise ValueError(f"host buffer has no slot matching layer {name!r}")
-        self.num_device_blocks = min(host_buffer.layouts[n].num_blocks for n in self._layers)
+        self.num_device_blocks = min(
+            host_buffer.layouts[n].num_blocks for n in self._layers
+        )
         self.device = next(iter(caches.values())).device
         self.use_streams = self.device.type == "cuda"
         if copier is None:
-            copier, default_store = _default_copiers(caches, host_buffer, self.device, backend)
+            copier, default_store = _default_copiers(
+                caches, host_buffer, self.device, backend
+            )
             store_copier = store_copier or default_store
         self._copier: BlockCopier = copier
         self._store_copier: BlockCopier = store_copier or copier
         self._layerwise_stores = (
-            self.use_streams and layerwise_stores and not _ids_on_host(self._store_copier)
+            self.use_streams
+            and layerwise_stores
+            and not _ids_on_host(self._store_copier)
         )
 
         self._failed: set[int] = set()
@@ -188,8 +201,13 @@ class TransferEngine:
     # ---- one engine step ----
 
     def begin_step(self) -> None:
-        """Before the step's forward: with `fence_stores`, compute waits for running stores."""
-        if self.use_streams and self._fence_stores and any(p.is_store for p in self._pending):
+        """Before the step's forward: with `fence_stores`, compute waits for running
+        stores."""
+        if (
+            self.use_streams
+            and self._fence_stores
+            and any(p.is_store for p in self._pending)
+        ):
             torch.cuda.current_stream(self.device).wait_stream(self._store_stream)
 
     def start_loads(self, jobs: Sequence[TransferJob]) -> None:
@@ -207,7 +225,8 @@ class TransferEngine:
             # Blocks handed to these loads may still be read by earlier compute work.
             self._load_stream.wait_stream(compute)
             if getattr(self._copier, "whole_block_loads", False):
-                # One call for every layer; each layer's event then marks the whole load.
+                # One call for every layer; each layer's event then marks the whole
+                # load.
                 if self._launch(self._copier, False, batch, None):
                     for name in self._layers:
                         self._load_events[name].record(self._load_stream)
@@ -218,7 +237,8 @@ class TransferEngine:
                 self._load_events[name].record(self._load_stream)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Makes the current stream wait for this layer's load only. O(1), never blocks."""
+        """Makes the current stream wait for this layer's load only. O(1), never
+        blocks."""
         name = self._canonical[layer_name]
         if not self._loads or name in self._load_waited:
             return
@@ -226,7 +246,8 @@ class TransferEngine:
         torch.cuda.current_stream(self.device).wait_event(self._load_events[name])
 
     def store_layer(self, layer_name: str, jobs: Sequence[TransferJob]) -> None:
-        """Queues this layer's device->host copy of `jobs` behind the compute written so far.
+        """Queues this layer's device->host copy of `jobs` behind the compute written so
+        far.
 
         On CPU the copy is deferred to `finish_step`, where all layers go in one pass.
         """
@@ -246,7 +267,8 @@ class TransferEngine:
             self._launch(self._store_copier, True, batch, [name])
 
     def finish_step(self) -> None:
-        """Ends the step: waits compute on unwaited loads, completes this step's stores."""
+        """Ends the step: waits compute on unwaited loads, completes this step's
+        stores."""
         loads, stores = self._loads, list(self._stores.values())
         self._loads, self._stores, self._load_waited = [], {}, set()
         if not self.use_streams:
@@ -256,7 +278,8 @@ class TransferEngine:
             return
         compute = torch.cuda.current_stream(self.device)
         if loads:
-            # Layers without a load hook (or a failed launch) still must not race compute.
+            # Layers without a load hook (or a failed launch) still must not race
+            # compute.
             compute.wait_stream(self._load_stream)
         for batch in loads:
             self._track(self._load_stream, batch, is_store=False)
@@ -270,7 +293,8 @@ class TransferEngine:
             self._track(self._store_stream, batch, is_store=True)
 
     def poll_finished(self) -> FinishedJobs:
-        """Jobs finished or failed since the last poll. Non-blocking (`event.query()`)."""
+        """Jobs finished or failed since the last poll. Non-blocking
+        (`event.query()`)."""
         still: list[_Pending] = []
         for p in self._pending:
             try:
@@ -303,14 +327,23 @@ class TransferEngine:
     # ---- all layers at once, no bookkeeping (CPU paths, benchmarks, tests) ----
 
     def copy_blocks(
-        self, to_host: bool, device_ids: Ids, host_ids: Ids, layers: Sequence[str] | None = None
+        self,
+        to_host: bool,
+        device_ids: Ids,
+        host_ids: Ids,
+        layers: Sequence[str] | None = None,
     ) -> None:
-        """Copies the pairs for `layers` (default all) on the current stream, unchecked."""
+        """Copies the pairs for `layers` (default all) on the current stream,
+        unchecked."""
         on_device = self.use_streams and not _ids_on_host(self._copier)
         where = self.device if on_device else torch.device("cpu")
         d = torch.as_tensor(device_ids, dtype=torch.int64).to(where)
         h = torch.as_tensor(host_ids, dtype=torch.int64).to(where)
-        names = None if layers is None else list(dict.fromkeys(self._canonical[n] for n in layers))
+        names = (
+            None
+            if layers is None
+            else list(dict.fromkeys(self._canonical[n] for n in layers))
+        )
         self._copier.copy(to_host, d, h, names)
 
     # ---- internals ----
@@ -327,7 +360,8 @@ class TransferEngine:
         return self._stores[key]
 
     def _batch(self, jobs: Sequence[TransferJob]) -> _Batch | None:
-        """Validates the jobs (bad ones fail) and joins the valid ones' ids. O(blocks)."""
+        """Validates the jobs (bad ones fail) and joins the valid ones' ids.
+        O(blocks)."""
         job_ids: list[int] = []
         device: list[torch.Tensor] = []
         host: list[torch.Tensor] = []
@@ -361,8 +395,11 @@ class TransferEngine:
             return f"host block id out of range [0, {self.host.num_host_blocks})"
         return None
 
-    def _ids(self, copier: BlockCopier, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's ids where `copier` reads them; moved on the current (side) stream once."""
+    def _ids(
+        self, copier: BlockCopier, batch: _Batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's ids where `copier` reads them; moved on the current (side) stream
+        once."""
         if not self.use_streams or _ids_on_host(copier):
             return batch.device_ids, batch.host_ids
         if batch.on_device is None:
@@ -375,23 +412,29 @@ class TransferEngine:
     def _launch(
         self, copier: BlockCopier, to_host: bool, batch: _Batch, names: list[str] | None
     ) -> bool:
-        """Copies these layers (None: all) on the current stream; a raise fails the batch."""
+        """Copies these layers (None: all) on the current stream; a raise fails the
+        batch."""
         try:
             copier.copy(to_host, *self._ids(copier, batch), names)
             return True
         except Exception:
-            logger.exception("copy of layers %s failed; jobs %s fail", names, batch.job_ids)
+            logger.exception(
+                "copy of layers %s failed; jobs %s fail", names, batch.job_ids
+            )
             batch.failed = True
             self._failed.update(batch.job_ids)
             return False
 
     def _run_sync(self, to_host: bool, batch: _Batch) -> None:
-        """CPU: all layers at once; if that raises, job by job so only the bad ones fail."""
+        """CPU: all layers at once; if that raises, job by job so only the bad ones
+        fail."""
         try:
             self._copier.copy(to_host, batch.device_ids, batch.host_ids, None)
             return
         except Exception:
-            logger.exception("batched copy of jobs %s failed; retrying one by one", batch.job_ids)
+            logger.exception(
+                "batched copy of jobs %s failed; retrying one by one", batch.job_ids
+            )
         ok: list[int] = []
         offset = 0
         for job_id, n in zip(batch.job_ids, batch.sizes, strict=True):
@@ -406,7 +449,9 @@ class TransferEngine:
                 self._failed.add(job_id)
         batch.job_ids = ok
 
-    def _track(self, stream: torch.cuda.Stream, batch: _Batch, *, is_store: bool) -> None:
+    def _track(
+        self, stream: torch.cuda.Stream, batch: _Batch, *, is_store: bool
+    ) -> None:
         if batch.failed:
             return
         event = torch.cuda.Event()
@@ -419,28 +464,38 @@ def _ids_on_host(copier: BlockCopier) -> bool:
 
 
 def _default_copiers(
-    caches: Mapping[str, torch.Tensor], host: HostBuffer, device: torch.device, backend: str
+    caches: Mapping[str, torch.Tensor],
+    host: HostBuffer,
+    device: torch.device,
+    backend: str,
 ) -> tuple[BlockCopier, BlockCopier]:
     """(load copier, store copier) for `backend`; see `TransferEngine`."""
     if device.type != "cuda":
         copier = TorchBlockCopier(caches, host)
         return copier, copier
     if backend == "staged":
-        staged = _checked(caches, host, [("staged", lambda: _staged_copier(caches, host))])
+        staged = _checked(
+            caches, host, [("staged", lambda: _staged_copier(caches, host))]
+        )
         if staged is not None:
             return staged, staged
     shortest_run = min(host.layouts[n].chunk_bytes for n in caches)
-    dma_stores = backend == "dma" or (backend == "auto" and shortest_run >= DMA_MIN_RUN_BYTES)
+    dma_stores = backend == "dma" or (
+        backend == "auto" and shortest_run >= DMA_MIN_RUN_BYTES
+    )
     loads = _cuda_copier(caches, host, dma=backend == "dma")
     if not dma_stores:
         return loads, loads
-    # A copier of its own even when both are DMA: a DMA copier forks over its own streams,
-    # and a load queued there would wait behind the stores queued before it.
+    # A copier of its own even when both are DMA: a DMA copier forks over its own
+    # streams, and a load queued there would wait behind the stores queued before it.
     return loads, _cuda_copier(caches, host, dma=True)
 
 
-def _cuda_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer, *, dma: bool) -> BlockCopier:
-    """The copy engines if asked for and they work, else Triton kernels, else torch copies."""
+def _cuda_copier(
+    caches: Mapping[str, torch.Tensor], host: HostBuffer, *, dma: bool
+) -> BlockCopier:
+    """The copy engines if asked for and they work, else Triton kernels, else torch
+    copies."""
     candidates: list[tuple[str, Callable[[], BlockCopier]]] = []
     if dma:
         candidates.append(("DMA", lambda: _dma_copier(caches, host)))
@@ -448,7 +503,9 @@ def _cuda_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer, *, dma: b
     copier = _checked(caches, host, candidates)
     if copier is not None:
         return copier
-    logger.warning("KV offload copies fall back to torch copies (slower, still correct)")
+    logger.warning(
+        "KV offload copies fall back to torch copies (slower, still correct)"
+    )
     return TorchBlockCopier(caches, host)
 
 
@@ -498,7 +555,8 @@ def _stores_block_zero(
 
     Kernels address pinned host memory through its host pointer, which needs a GPU and
     platform with unified addressing; this catches one without it before any real job.
-    Copies every layer, the way stores go. Overwrites host block 0, which holds nothing yet.
+    Copies every layer, the way stores go. Overwrites host block 0, which holds nothing
+    yet.
     """
     name, t = next(iter(caches.items()))
     where = "cpu" if _ids_on_host(copier) else t.device

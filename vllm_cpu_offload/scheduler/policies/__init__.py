@@ -1,4 +1,5 @@
-"""Host-tier eviction policies: the interface, the built-ins, and the registry by name."""
+"""Host-tier eviction policies: the interface, the built-ins, and the registry by
+name."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ POLICY_NAMES: tuple[str, ...] = tuple(BUILTIN_POLICIES)
 
 
 def make_policy(name: str, num_blocks: int) -> EvictionPolicy:
-    """Builds the policy `name` (a built-in, an entry point or an import path) for a pool
-    of `num_blocks` blocks.
+    """Builds the policy `name` (a built-in, an entry point or an import path) for a
+    pool of `num_blocks` blocks.
 
     Raises:
         OffloadConfigError: `name` names no usable policy; the message says what to fix.
+
     """
     return resolve_policy(name)(num_blocks)
 

@@ -1,15 +1,16 @@
-"""What an eviction policy sees of the host tier, and the interface every policy implements.
+"""What an eviction policy sees of the host tier, and the interface every policy
+implements.
 
-The pool owns one `HostBlock` per host block id, created once and reused, so the hot path
-allocates nothing. A policy orders the blocks it may evict with intrusive doubly linked
-lists (`BlockList`) threaded through the blocks themselves: every list operation is O(1)
-and allocation-free. Recency is a monotonic counter kept by the policy, never wall-clock
-time, so tests are deterministic.
+The pool owns one `HostBlock` per host block id, created once and reused, so the hot
+path allocates nothing. A policy orders the blocks it may evict with intrusive doubly
+linked lists (`BlockList`) threaded through the blocks themselves: every list operation
+is O(1) and allocation-free. Recency is a monotonic counter kept by the policy, never
+wall-clock time, so tests are deterministic.
 
-Blocks form chains: each block may point at its `parent` (the block just before it in its
-request), and the pool keeps `num_children` and a sibling list up to date, so a policy can
-tell a leaf from a block that other blocks depend on, and the pool can cut children loose
-when their parent leaves.
+Blocks form chains: each block may point at its `parent` (the block just before it in
+its request), and the pool keeps `num_children` and a sibling list up to date, so a
+policy can tell a leaf from a block that other blocks depend on, and the pool can cut
+children loose when their parent leaves.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ BlockKey = Hashable
 class BlockState(enum.Enum):
     """Lifecycle of a held host block. Pinning (loads in flight) is a separate count."""
 
-    STORING = enum.auto()  # allocated, copy in flight: invisible to lookups, never evicted
+    STORING = (
+        enum.auto()
+    )  # allocated, copy in flight: invisible to lookups, never evicted
     READY = enum.auto()  # copy finished: visible to lookups, evictable when unpinned
 
 
@@ -68,7 +71,8 @@ class HostBlock:
         self.first_child: HostBlock | None = None
         self.next_sibling: HostBlock | None = None
         self.prev_sibling: HostBlock | None = None
-        # True when the block's chain has a gap above it: its parent key is not held here.
+        # True when the block's chain has a gap above it: its parent key is not held
+        # here.
         self.orphan = False
         self.prev: HostBlock = self
         self.next: HostBlock = self
@@ -99,8 +103,8 @@ class BlockList:
     __slots__ = ("root", "size")
 
     def __init__(self) -> None:
-        # Sentinel: root.next is the head, root.prev the tail. Public so that a policy may
-        # inline a list operation on its hot path.
+        # Sentinel: root.next is the head, root.prev the tail. Public so that a policy
+        # may inline a list operation on its hot path.
         self.root = HostBlock(-1)
         self.size = 0
 
@@ -186,7 +190,8 @@ class BlockList:
         self.size += len(blocks)
 
     def move_all_to_end(self, blocks: Sequence[HostBlock]) -> None:
-        """Moves the blocks of this list among `blocks` to its tail, in order; skips others.
+        """Moves the blocks of this list among `blocks` to its tail, in order; skips
+        others.
 
         O(len(blocks)) with no calls: the batched `move_to_end` of the lookup path.
         """
@@ -221,10 +226,10 @@ class EvictionPolicy(ABC):
 
     The pool calls the hooks below at every state change; a policy keeps only the blocks
     it may evict in its lists. Contract, which the pool enforces with asserts:
-    `pop_victim` returns only evictable blocks (READY, unpinned) and never a block it was
-    told is pinned or storing. Hooks on the lookup and store paths take batches, so that a
-    policy pays one call per batch, not per block. Every hook is O(1) per block unless its
-    docstring says otherwise. `name` is the registry name.
+    `pop_victim` returns only evictable blocks (READY, unpinned) and never a block it
+    was told is pinned or storing. Hooks on the lookup and store paths take batches, so
+    that a policy pays one call per batch, not per block. Every hook is O(1) per block
+    unless its docstring says otherwise. `name` is the registry name.
     """
 
     name: ClassVar[str]
@@ -241,19 +246,22 @@ class EvictionPolicy(ABC):
         return self._clock
 
     def admit(self, key: BlockKey) -> bool:
-        """Whether a new key may evict a block to get in; asked only when the pool is full.
+        """Whether a new key may evict a block to get in; asked only when the pool is
+        full.
 
-        Declining stops the store of the rest of that chain (descendants would be orphans);
-        the policy then hears of each descendant through `on_declined`.
+        Declining stops the store of the rest of that chain (descendants would be
+        orphans); the policy then hears of each descendant through `on_declined`.
         """
         return True
 
     def on_declined(self, key: BlockKey) -> None:  # noqa: B027 - optional hook
-        """A key was not stored because an ancestor of it in the same call was declined."""
+        """A key was not stored because an ancestor of it in the same call was
+        declined."""
 
     @abstractmethod
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
-        """These blocks were allocated for a store (STORING, chain links set), in chain order.
+        """These blocks were allocated for a store (STORING, chain links set), in chain
+        order.
 
         Never victims yet. The pool reports them before it next asks `admit` or
         `pop_victim`, so the policy sees inserts and evictions in their true order.
@@ -270,12 +278,14 @@ class EvictionPolicy(ABC):
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
         """These READY blocks were looked up or touched (some may be pinned).
 
-        Deepest first, so a policy that orders by recency leaves ancestors the most recent.
+        Deepest first, so a policy that orders by recency leaves ancestors the most
+        recent.
         """
 
     @abstractmethod
     def on_pin(self, block: HostBlock) -> None:
-        """The block's pin count went 0 -> 1: it must not be a victim until `on_unpin`."""
+        """The block's pin count went 0 -> 1: it must not be a victim until
+        `on_unpin`."""
 
     @abstractmethod
     def on_unpin(self, block: HostBlock) -> None:
@@ -287,13 +297,17 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def pop_victim(self) -> HostBlock | None:
-        """Choose an evictable block, forget it, and return it; None if there is none."""
+        """Choose an evictable block, forget it, and return it; None if there is
+        none."""
 
     def on_orphaned(self, block: HostBlock) -> None:  # noqa: B027 - optional hook
-        """The block's parent left the pool while the block stayed (its chain has a gap)."""
+        """The block's parent left the pool while the block stayed (its chain has a
+        gap)."""
 
     def on_leaf(self, block: HostBlock) -> None:  # noqa: B027 - optional hook
-        """The block's last child left the pool; the block (any state) is a leaf again."""
+        """The block's last child left the pool; the block (any state) is a leaf
+        again."""
 
     def reset(self) -> None:  # noqa: B027 - optional hook
-        """Forget history that outlives blocks (ghost lists, clocks). Lists are empty here."""
+        """Forget history that outlives blocks (ghost lists, clocks). Lists are empty
+        here."""

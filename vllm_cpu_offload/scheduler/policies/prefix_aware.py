@@ -1,4 +1,5 @@
-"""Prefix-aware eviction: orphans first, leaves before ancestors, and admission for newcomers.
+"""Prefix-aware eviction: orphans first, leaves before ancestors, and admission for
+newcomers.
 
 A block of KV is useful only together with every block before it in its request, and a
 block is reused at least as often as any of its descendants. So:
@@ -43,7 +44,8 @@ _PROTECTED = 1
 
 
 class PrefixAwarePolicy(EvictionPolicy):
-    """Leaf-first, orphan-first LRU with an adaptive doorkeeper; see the module docstring."""
+    """Leaf-first, orphan-first LRU with an adaptive doorkeeper; see the module
+    docstring."""
 
     name = "prefix_aware"
 
@@ -56,7 +58,9 @@ class PrefixAwarePolicy(EvictionPolicy):
     ) -> None:
         super().__init__(num_blocks)
         if not 0.0 <= protected_fraction < 1.0:
-            raise ValueError(f"protected_fraction must be in [0, 1), got {protected_fraction}")
+            raise ValueError(
+                f"protected_fraction must be in [0, 1), got {protected_fraction}"
+            )
         if history_factor <= 0.0:
             raise ValueError(f"history_factor must be > 0, got {history_factor}")
         self._protected_cap = int(num_blocks * protected_fraction)
@@ -66,8 +70,9 @@ class PrefixAwarePolicy(EvictionPolicy):
         # Blocks held in the protected segment, listed or not (pinned, storing, parked).
         self._num_protected = 0
         self._history_factor = history_factor
-        # Keyed by hash(key): one hash per insert serves the sample test and this look-up.
-        # Two keys with equal 64-bit hashes at worst recall a key that was never evicted.
+        # Keyed by hash(key): one hash per insert serves the sample test and this
+        # look-up. Two keys with equal 64-bit hashes at worst recall a key that was
+        # never evicted.
         self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(num_blocks * history_factor))
         self._duel = AdmissionDuel(num_blocks, history_factor, shadow_blocks)
@@ -91,11 +96,13 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._remember(h)
 
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
-        # A free block is in probation with `flag` clear: `pop_victim` and `on_remove` see
-        # to it.
+        # A free block is in probation with `flag` clear: `pop_victim` and `on_remove`
+        # see to it.
         history, duel = self._history, self._duel
         mask = duel.modulus - 1
-        clock = self._clock = self._clock + 1  # one stamp per batch: its blocks came together
+        clock = self._clock = (
+            self._clock + 1
+        )  # one stamp per batch: its blocks came together
         recalled = False
         for block in blocks:
             block.stamp = clock
@@ -141,9 +148,13 @@ class PrefixAwarePolicy(EvictionPolicy):
         )
         root = protected.root
         tail = root.prev
-        clock = self._clock = self._clock + 1  # one stamp per batch: its blocks came together
+        clock = self._clock = (
+            self._clock + 1
+        )  # one stamp per batch: its blocks came together
         promoted = 0  # into the protected segment
-        moved = 0  # from the probation list to the protected list: sizes change once, below
+        moved = (
+            0  # from the probation list to the protected list: sizes change once, below
+        )
         for block in blocks:
             if block.flag:
                 duel.use(hash(block.key))
@@ -204,7 +215,11 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._orphans.append(block)  # was parked; orphans go regardless of children
 
     def on_leaf(self, block: HostBlock) -> None:
-        if block.owner is None and block.pin_count == 0 and block.state is BlockState.READY:
+        if (
+            block.owner is None
+            and block.pin_count == 0
+            and block.state is BlockState.READY
+        ):
             # Parked at the head of its list and not used since: older than every block
             # listed there now, so it goes back to the head.
             self._home(block).appendleft(block)
@@ -239,11 +254,14 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     def reset(self) -> None:
         self._history.clear()
-        self._duel = AdmissionDuel(self.num_blocks, self._history_factor, self._duel.shadow_blocks)
+        self._duel = AdmissionDuel(
+            self.num_blocks, self._history_factor, self._duel.shadow_blocks
+        )
 
     @property
     def doorkeeper(self) -> bool:
-        """Whether first-sight keys are refused while the pool is full (for metrics/tests)."""
+        """Whether first-sight keys are refused while the pool is full (for
+        metrics/tests)."""
         return self._duel.doorkeeper
 
     # ----- internals -----
@@ -254,7 +272,8 @@ class PrefixAwarePolicy(EvictionPolicy):
         return self._protected if block.segment == _PROTECTED else self._probation
 
     def _head_leaf(self, segment: BlockList) -> HostBlock | None:
-        """The oldest leaf of `segment`; parks the blocks with children found before it."""
+        """The oldest leaf of `segment`; parks the blocks with children found before
+        it."""
         head = segment.head
         while head is not None and head.num_children:
             segment.remove(head)  # parked until `on_leaf` or `on_access`
@@ -273,7 +292,8 @@ class PrefixAwarePolicy(EvictionPolicy):
                 return
             self._protected.remove(demoted)
             self._set_segment(demoted, _PROBATION)
-            # Keep probation in stamp order: an old block goes to its head, not its tail.
+            # Keep probation in stamp order: an old block goes to its head, not its
+            # tail.
             head = self._probation.head
             if head is not None and demoted.stamp < head.stamp:
                 self._probation.appendleft(demoted)
@@ -287,7 +307,8 @@ class PrefixAwarePolicy(EvictionPolicy):
 
 
 class AdmissionDuel:
-    """Chooses admit-all or doorkeeper by replaying a key sample through one shadow of each.
+    """Chooses admit-all or doorkeeper by replaying a key sample through one shadow of
+    each.
 
     Keys whose hash is divisible by `modulus` (a power of two) are sampled; each shadow
     is an LRU cache of key hashes of num_blocks / modulus entries, so it sees the pool's
@@ -311,7 +332,9 @@ class AdmissionDuel:
         "_half_life",
     )
 
-    def __init__(self, num_blocks: int, history_factor: float, shadow_blocks: int) -> None:
+    def __init__(
+        self, num_blocks: int, history_factor: float, shadow_blocks: int
+    ) -> None:
         if shadow_blocks < 1:
             raise ValueError(f"shadow_blocks must be >= 1, got {shadow_blocks}")
         self.shadow_blocks = shadow_blocks
@@ -349,7 +372,8 @@ class AdmissionDuel:
 
 
 class _ShadowCache:
-    """A key-only LRU cache that counts its hits; refuses first-sight keys if `doorkeeper`."""
+    """A key-only LRU cache that counts its hits; refuses first-sight keys if
+    `doorkeeper`."""
 
     __slots__ = ("capacity", "hits", "_doorkeeper", "_held", "_history", "_history_cap")
 

@@ -1,14 +1,15 @@
-"""Eviction policies by name: the built-ins, entry points, and classes named by import path.
+"""Eviction policies by name: the built-ins, entry points, and classes named by import
+path.
 
 `eviction_policy` in the connector's extra config takes any of:
 - a built-in name: `prefix_aware`, `lru` (the one list below);
-- the name of an entry point in the group `vllm_cpu_offload.eviction_policies`, which any
-  installed distribution may declare (`fifo = "my_pkg.policies:FIFOPolicy"`);
+- the name of an entry point in the group `vllm_cpu_offload.eviction_policies`, which
+  any installed distribution may declare (`fifo = "my_pkg.policies:FIFOPolicy"`);
 - an import path, `my_pkg.policies:FIFOPolicy` (or `my_pkg.policies.FIFOPolicy`).
 
-The class must subclass `EvictionPolicy` and implement its abstract hooks. Resolving a bad
-name raises `OffloadConfigError` with one line that names the fix, before the engine starts.
-This module imports neither vLLM nor a policy it is not asked for.
+The class must subclass `EvictionPolicy` and implement its abstract hooks. Resolving a
+bad name raises `OffloadConfigError` with one line that names the fix, before the engine
+starts. This module imports neither vLLM nor a policy it is not asked for.
 """
 
 from __future__ import annotations
@@ -23,17 +24,20 @@ from .base import EvictionPolicy
 
 ENTRY_POINT_GROUP = "vllm_cpu_offload.eviction_policies"
 
-# The built-in policies, registered here and nowhere else.
+# The built-in policies, registered here and nowhere else, as module:class paths in
+# this package.
 BUILTIN_POLICIES: dict[str, str] = {
-    "prefix_aware": "vllm_cpu_offload.scheduler.policies.prefix_aware:PrefixAwarePolicy",
-    "lru": "vllm_cpu_offload.scheduler.policies.lru:LRUPolicy",
+    "prefix_aware": f"{__package__}.prefix_aware:PrefixAwarePolicy",
+    "lru": f"{__package__}.lru:LRUPolicy",
 }
 
 
 def resolve_policy(name: str) -> type[EvictionPolicy]:
     """The policy class `name` stands for; see the module docstring for the forms."""
     if not isinstance(name, str) or not name:
-        raise OffloadConfigError(f"eviction_policy must be a name or an import path, got {name!r}")
+        raise OffloadConfigError(
+            f"eviction_policy must be a name or an import path, got {name!r}"
+        )
     if name in BUILTIN_POLICIES:
         return _checked(name, _import(BUILTIN_POLICIES[name], name))
     for entry in entry_points(group=ENTRY_POINT_GROUP):
@@ -51,7 +55,8 @@ def resolve_policy(name: str) -> type[EvictionPolicy]:
         return _checked(name, _import(name, name))
     known = ", ".join(available_policy_names())
     raise OffloadConfigError(
-        f"eviction_policy {name!r} is not known; choose one of: {known}, or name a policy "
+        f"eviction_policy {name!r} is not known; choose one of: {known}, or name a "
+        "policy "
         f"class by import path ('my_pkg.module:MyPolicy')"
     )
 
@@ -59,7 +64,9 @@ def resolve_policy(name: str) -> type[EvictionPolicy]:
 def available_policy_names() -> list[str]:
     """Built-in names first, then the entry points installed now."""
     names = list(BUILTIN_POLICIES)
-    names += sorted(e.name for e in entry_points(group=ENTRY_POINT_GROUP) if e.name not in names)
+    names += sorted(
+        e.name for e in entry_points(group=ENTRY_POINT_GROUP) if e.name not in names
+    )
     return names
 
 
@@ -69,7 +76,8 @@ def _import(path: str, name: str) -> object:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise OffloadConfigError(
-            f"eviction_policy {name!r} is not an import path; write it as 'my_pkg.module:MyPolicy'"
+            f"eviction_policy {name!r} is not an import path; write it as "
+            "'my_pkg.module:MyPolicy'"
         )
     try:
         module = importlib.import_module(module_name)
@@ -82,7 +90,8 @@ def _import(path: str, name: str) -> object:
         return getattr(module, attr)
     except AttributeError:
         raise OffloadConfigError(
-            f"eviction_policy {name!r}: module {module_name!r} has no {attr!r}; fix the path"
+            f"eviction_policy {name!r}: module {module_name!r} has no {attr!r}; fix "
+            "the path"
         ) from None
 
 
@@ -90,7 +99,7 @@ def _checked(name: str, obj: object) -> type[EvictionPolicy]:
     if not (inspect.isclass(obj) and issubclass(obj, EvictionPolicy)):
         raise OffloadConfigError(
             f"eviction_policy {name!r} names {obj!r}, which is not a subclass of "
-            f"vllm_cpu_offload.scheduler.policies.EvictionPolicy; subclass it"
+            f"{__package__}.EvictionPolicy; subclass it"
         )
     missing = sorted(getattr(obj, "__abstractmethods__", ()))
     if missing:
