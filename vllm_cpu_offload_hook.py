@@ -21,9 +21,8 @@ from __future__ import annotations
 import os
 import sys
 
-TYPE_CHECKING = (
-    False  # not typing's: interpreter start imports nothing `site` did not load
-)
+# Not typing's: interpreter start imports nothing `site` did not load.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from importlib.abc import Loader

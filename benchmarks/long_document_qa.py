@@ -97,9 +97,8 @@ def _repeat_order(n: int, mode: str, rng: random.Random) -> list[int]:
 def _steal_seconds() -> float:
     with open("/proc/stat") as f:
         fields = f.readline().split()
-    return int(fields[8]) / os.sysconf(
-        "SC_CLK_TCK"
-    )  # cpu user nice system idle ... steal
+    # cpu user nice system idle ... steal
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
 def _engine_cpu_seconds() -> float:
@@ -407,11 +406,10 @@ def main() -> None:
     model = str(ensure_tiny_llama(shape))
     print(
         f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}; "
-        "documents "
-        f"of {args.doc_tokens} tokens; device cache "
+        f"documents of {args.doc_tokens} tokens; device cache "
         f"{args.device_blocks or args.device_docs * -(-args.doc_tokens // BLOCK_SIZE)} "
-        "blocks, "
-        f"host tier {args.host_docs} documents; repeat order {args.repeat_mode}; "
+        f"blocks, host tier {args.host_docs} documents; "
+        f"repeat order {args.repeat_mode}; "
         f"{args.pairs} pairs of fresh engines, started alternately"
     )
     argv = [

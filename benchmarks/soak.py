@@ -537,17 +537,16 @@ def run_once(
     result["server_flags"] = flags
     s = result["summary"]
     print(
-        f"{s['counts']['done']} requests in {s['elapsed_s']} s ({s['requests_per_s']} "
-        "/s): "
-        f"{s['counts']['completed']} completed, {s['counts']['closed_streams']} "
-        "streams closed, "
+        f"{s['counts']['done']} requests in {s['elapsed_s']} s "
+        f"({s['requests_per_s']} /s): {s['counts']['completed']} completed, "
+        f"{s['counts']['closed_streams']} streams closed, "
         f"{s['counts']['abandoned']} abandoned, {s['counts']['errors']} errors"
     )
     for sample in s["counts"]["error_samples"]:
         print(f"  error: {sample}")
     print(
-        f"RSS (MiB) at start / warm (after {s['warm_done']} requests) / at the end / "
-        "max, growth:"
+        f"RSS (MiB) at start / warm (after {s['warm_done']} requests) / at the end "
+        "/ max, growth:"
     )
     for proc, p in s["processes"].items():
         print(

@@ -124,9 +124,8 @@ class OffloadConfig:
         policy = extra.get("eviction_policy", DEFAULT_EVICTION_POLICY)
         from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
 
-        resolve_policy(
-            policy
-        )  # a bad name or class fails here, before the engine starts
+        # a bad name or class fails here, before the engine starts
+        resolve_policy(policy)
         backend = extra.get("copy_backend", DEFAULT_COPY_BACKEND)
         if backend not in COPY_BACKENDS:
             raise OffloadConfigError(

@@ -35,15 +35,13 @@ def test_policy_class_from_the_extra_config_serves_host_hits(tiny_model: str) ->
         sched = scheduler_connector(llm).scheduler
         assert isinstance(sched.pool.policy, FIFOPolicy)
         rng = random.Random(5)
-        docs = [
-            random_words(rng, 6 * BLOCK_SIZE + 3) for _ in range(5)
-        ]  # overflow the device
+        # overflow the device
+        docs = [random_words(rng, 6 * BLOCK_SIZE + 3) for _ in range(5)]
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         for doc in docs + docs[:1]:
             llm.generate([doc], params, use_tqdm=False)
-        assert (
-            sched.stats.hit_tokens >= 6 * BLOCK_SIZE
-        )  # the re-read came from host memory
+        # the re-read came from host memory
+        assert sched.stats.hit_tokens >= 6 * BLOCK_SIZE
         assert sched.pool.policy.accesses > 0
     finally:
         shutdown(llm)

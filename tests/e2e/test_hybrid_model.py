@@ -79,9 +79,8 @@ def test_window_group_loads_only_its_window_per_group_metrics(
     }
     full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE  # 9 per document
     assert stored[full] == stored[window] >= DOCS * full_blocks, stored
-    assert loaded[full] >= DOCS * full_blocks - full_blocks, (
-        loaded
-    )  # most re-reads from host
+    # most re-reads from host
+    assert loaded[full] >= DOCS * full_blocks - full_blocks, loaded
     window_blocks = WINDOW // BLOCK_SIZE + 1
     assert 0 < loaded[window] <= DOCS * window_blocks < loaded[full], loaded
     assert loaded[full] + loaded[window] == metrics["vllm:cpu_offload_loaded_blocks"]

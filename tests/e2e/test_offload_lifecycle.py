@@ -24,9 +24,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def offload_llm(tiny_model: str) -> Iterator[Any]:
-    llm = make_llm(
-        tiny_model, offload=True, dtype="float32"
-    )  # batches: see the docstring
+    # batches: see the docstring
+    llm = make_llm(tiny_model, offload=True, dtype="float32")
     yield llm
     shutdown(llm)
 

@@ -48,9 +48,8 @@ ABANDONED = 3  # requests the client gives up on after ABANDON_AFTER_S
 # decode step of a served request takes a millisecond or more, so LONG_TOKENS steps take
 # over 0.3 s.
 ABANDON_AFTER_S = 0.1
-LONG_TOKENS = (
-    360  # what closed streams and abandoned requests ask for; fits MAX_MODEL_LEN
-)
+# what closed streams and abandoned requests ask for; fits MAX_MODEL_LEN
+LONG_TOKENS = 360
 REQUEST_TIMEOUT_S = 300.0
 
 OFFLOAD = "vllm:cpu_offload_"

@@ -50,10 +50,11 @@ def test_first_needed_block_matches_the_tokens_vllm_skips() -> None:
 
 def test_longest_hit_needs_every_full_block_but_only_the_window() -> None:
     groups = (KVGroup(0), KVGroup(1, sliding_window=8))
+    # window group: only blocks 4, 5
     held = {(0, i) for i in range(10)} | {
         (1, 4),
         (1, 5),
-    }  # window group: only blocks 4, 5
+    }
 
     def ready(group: int, i: int) -> bool:
         return (group, i) in held

@@ -51,9 +51,8 @@ def test_hnd_stride_order_is_still_one_run_per_k_and_v() -> None:
 def test_blocks_first_and_mla_are_one_run() -> None:
     # (num_blocks, 2, ...) and MLA-like (num_blocks, block_size, D): one dense run.
     assert KVLayout.from_tensor(_random((10, 2, 16, 8, 64))).num_chunks == 1
-    mla = KVLayout.from_tensor(
-        torch.zeros(10, 16, 576, dtype=torch.uint8)
-    )  # fp8 as uint8
+    # fp8 as uint8
+    mla = KVLayout.from_tensor(torch.zeros(10, 16, 576, dtype=torch.uint8))
     assert mla == KVLayout(10, 16 * 576, 1, 0, 16 * 576, 1)
 
 

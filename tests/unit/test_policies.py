@@ -174,9 +174,8 @@ def test_prefix_aware_remembers_evicted_keys_as_reused() -> None:
 
 def test_prefix_aware_sample_flag_follows_the_key_not_the_block() -> None:
     # A block freed from a sampled key and reused for an unsampled one feeds no shadow.
-    policy = PrefixAwarePolicy(
-        2, shadow_blocks=1
-    )  # samples the keys whose hash is even
+    # samples the keys whose hash is even
+    policy = PrefixAwarePolicy(2, shadow_blocks=1)
     pool = HostBlockPool(2, policy)
     store(pool, [0])
     sampled_block = pool._held[0]

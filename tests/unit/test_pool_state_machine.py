@@ -19,17 +19,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool
 from vllm_cpu_offload.scheduler.policies import HostBlock, make_policy
 
-KEYS = st.integers(
-    min_value=0, max_value=23
-)  # few keys: chains overlap and keys return
+# few keys: chains overlap and keys return
+KEYS = st.integers(min_value=0, max_value=23)
 CHAINS = st.lists(KEYS, min_size=1, max_size=6, unique=True)
 
 
 class PoolMachine(RuleBasedStateMachine):
     policy_name = "lru"
-    chain_aware = (
-        False  # whether victims must respect chains (orphans first, leaves only)
-    )
+    # whether victims must respect chains (orphans first, leaves only)
+    chain_aware = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -146,9 +146,8 @@ def test_lookup_starts_after_the_device_hit_and_leaves_one_token() -> None:
     meta = _prefill(engine, _request("a", list(range(8))))
     engine.report(meta.stores[0].job_id)
     twin = _request("b", list(range(8)))
-    assert (
-        engine.tier.get_num_new_matched_tokens(twin, 0) == BS
-    )  # 8 tokens: last block kept
+    # 8 tokens: last block kept
+    assert engine.tier.get_num_new_matched_tokens(twin, 0) == BS
     assert engine.tier.get_num_new_matched_tokens(twin, BS) == 0
     longer = _request("c", list(range(8)) + [99])
     assert engine.tier.get_num_new_matched_tokens(longer, BS) == BS

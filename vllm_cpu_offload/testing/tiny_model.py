@@ -72,9 +72,8 @@ def vocabulary() -> list[str]:
 def _stamp(shape: TinyLlamaShape) -> dict[str, object]:
     stamp = asdict(shape) | {"vocab_size": len(vocabulary())}
     if stamp["sliding_window"] is None:
-        del stamp[
-            "sliding_window"
-        ]  # the stamp of models written before the field existed
+        # the stamp of models written before the field existed
+        del stamp["sliding_window"]
     return stamp
 
 

@@ -64,9 +64,8 @@ def helper_cores(threads: int) -> list[int]:
     """One core for each of `threads - 1` helpers, none of them the caller's, when the
     caller is pinned to one core; empty (helpers inherit the caller's mask)
     otherwise."""
-    own = _affinity(
-        0
-    )  # several cores: `copy_cores` is exactly these, so no helper core
+    # several cores: `copy_cores` is exactly these, so no helper core
+    own = _affinity(0)
     return [core for core in copy_cores() if core not in own][: threads - 1]
 
 

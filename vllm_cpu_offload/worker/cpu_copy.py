@@ -221,9 +221,8 @@ class TorchBlockCopier:
             step = max(1, PIECE_BYTES // block_bytes)
             for d, h, n in runs:
                 if not self._on_cpu or n * block_bytes >= PARALLEL_MIN_BYTES:
-                    _copy(
-                        to_host, device, host, d, h, n
-                    )  # CUDA stream, or ATen's CPU pool
+                    # CUDA stream, or ATen's CPU pool
+                    _copy(to_host, device, host, d, h, n)
                     continue
                 pieces_bytes += n * block_bytes
                 for i in range(0, n, step):
@@ -244,9 +243,8 @@ class TorchBlockCopier:
             set_threads(pool)
 
 
-_Piece = tuple[
-    torch.Tensor, torch.Tensor, int, int, int
-]  # device view, host view, d, h, n
+# device view, host view, d, h, n
+_Piece = tuple[torch.Tensor, torch.Tensor, int, int, int]
 
 
 def _copy(

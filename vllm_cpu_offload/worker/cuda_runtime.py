@@ -15,9 +15,8 @@ import os
 import torch
 
 _MIN_RUNTIME = 12080  # CUDA 12.8: first runtime with cudaMemcpyBatchAsync
-_MEMCPY_DEFAULT = (
-    4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
-)
+# cudaMemcpyDefault: direction from the pointers (unified addressing)
+_MEMCPY_DEFAULT = 4
 _ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 
 

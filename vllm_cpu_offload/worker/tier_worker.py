@@ -63,9 +63,8 @@ class HostTierWorker:
         self._load_device_blocks: dict[
             int, list[int]
         ] = {}  # load in flight -> device ids
-        self._stores_in_flight: Counter[str] = (
-            Counter()
-        )  # request -> store jobs in flight
+        # request -> store jobs in flight
+        self._stores_in_flight: Counter[str] = Counter()
         self._awaiting_free: set[str] = set()  # finished requests the scheduler holds
         self._report = OffloadWorkerReport()
         self._load_errors: set[int] = set()

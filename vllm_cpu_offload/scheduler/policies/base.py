@@ -27,9 +27,8 @@ BlockKey = Hashable
 class BlockState(enum.Enum):
     """Lifecycle of a held host block. Pinning (loads in flight) is a separate count."""
 
-    STORING = (
-        enum.auto()
-    )  # allocated, copy in flight: invisible to lookups, never evicted
+    # allocated, copy in flight: invisible to lookups, never evicted
+    STORING = enum.auto()
     READY = enum.auto()  # copy finished: visible to lookups, evictable when unpinned
 
 

@@ -100,9 +100,8 @@ class PrefixAwarePolicy(EvictionPolicy):
         # see to it.
         history, duel = self._history, self._duel
         mask = duel.modulus - 1
-        clock = self._clock = (
-            self._clock + 1
-        )  # one stamp per batch: its blocks came together
+        # one stamp per batch: its blocks came together
+        clock = self._clock = self._clock + 1
         recalled = False
         for block in blocks:
             block.stamp = clock
@@ -148,13 +147,11 @@ class PrefixAwarePolicy(EvictionPolicy):
         )
         root = protected.root
         tail = root.prev
-        clock = self._clock = (
-            self._clock + 1
-        )  # one stamp per batch: its blocks came together
+        # one stamp per batch: its blocks came together
+        clock = self._clock = self._clock + 1
         promoted = 0  # into the protected segment
-        moved = (
-            0  # from the probation list to the protected list: sizes change once, below
-        )
+        # from the probation list to the protected list: sizes change once, below
+        moved = 0
         for block in blocks:
             if block.flag:
                 duel.use(hash(block.key))
