@@ -95,8 +95,8 @@ def main() -> None:
         f"{args.policy}"
     )
     print(
-        f"{'host C':>7} {'k':>3} {'host hits':>9} {'saved':>7} {'saved %':>8}"
-        f" {'vs k=1':>7} {'us/request':>10}"
+        f"{'host C':>7} {'k':>3} {'host hits':>9} {'saved':>7} {'saved %':>8} "
+        f"{'vs k=1':>7} {'us/request':>10}"
     )
     rows = []
     for capacity in args.host_blocks:
@@ -110,10 +110,9 @@ def main() -> None:
                 {"host_blocks": capacity, "k": k, "pool_us_per_request": us, **result}
             )
             print(
-                f"{capacity:>7} {k:>3} {result['host_hits']:>9} {result['saved']:>7}"
-                f" {100 * result['saved'] / total:>7.2f}% "
-                f"{result['saved'] / base:>7.3f}"
-                f" {us:>10.1f}",
+                f"{capacity:>7} {k:>3} {result['host_hits']:>9} {result['saved']:>7} "
+                f"{100 * result['saved'] / total:>7.2f}% "
+                f"{result['saved'] / base:>7.3f} {us:>10.1f}",
                 flush=True,
             )
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -302,9 +302,9 @@ def summarize(pairs: list[dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
             row[arm] = stats | {"warmup_miss_ms_median": warm_miss}
             print(
                 f"  {arm:>15}: {_fmt(stats['wall_s'], ' s')}, TTFT mean "
-                f"{_fmt(stats['ttft_mean_ms'], ' ms', 0)}, "
-                f"p90 {_fmt(stats['ttft_p90_ms'], ' ms', 0)}"
-                f", host hits {stats['host_hit_tokens']['median']:.0f}, a miss "
+                f"{_fmt(stats['ttft_mean_ms'], ' ms', 0)}, p90 "
+                f"{_fmt(stats['ttft_p90_ms'], ' ms', 0)}, host hits "
+                f"{stats['host_hit_tokens']['median']:.0f}, a miss "
                 f"{stats['miss_ms_median']['median']:.0f} ms (warm-up "
                 f"{warm_miss['median']:.0f})"
             )
@@ -408,9 +408,8 @@ def main() -> None:
         f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}; "
         f"documents of {args.doc_tokens} tokens; device cache "
         f"{args.device_blocks or args.device_docs * -(-args.doc_tokens // BLOCK_SIZE)} "
-        f"blocks, host tier {args.host_docs} documents; "
-        f"repeat order {args.repeat_mode}; "
-        f"{args.pairs} pairs of fresh engines, started alternately"
+        f"blocks, host tier {args.host_docs} documents; repeat order "
+        f"{args.repeat_mode}; {args.pairs} pairs of fresh engines, started alternately"
     )
     argv = [
         "--model", model, "--docs", *map(str, args.docs),

@@ -178,9 +178,9 @@ def main() -> None:
     for row in startup:
         print(
             f"tier {row['gib']:g} GiB ({row['blocks']} blocks): new: map "
-            f"{row['new_map_s']:.3f} s"
-            f", index {row['new_index_s']:.3f} s; full: map {row['full_map_s']:.3f} s, "
-            f"index and restore {row['full_index_and_restore_s']:.3f} s"
+            f"{row['new_map_s']:.3f} s, index {row['new_index_s']:.3f} s; full: map "
+            f"{row['full_map_s']:.3f} s, index and restore "
+            f"{row['full_index_and_restore_s']:.3f} s"
         )
     arms: dict[str, list[dict[str, Any]]] = {"restart": [], "cold": []}
     for pair in range(args.pairs):
@@ -207,8 +207,8 @@ def main() -> None:
         init = summary[arm]["init_s"]["median"]
         print(
             f"{arm:8s} first read TTFT {statistics.median(ttft) * 1e3:.0f} ms "
-            f"({min(ttft) * 1e3:.0f}-{max(ttft) * 1e3:.0f}), "
-            f"engine start {init:.1f} s, cached tokens {statistics.median(cached):.0f}"
+            f"({min(ttft) * 1e3:.0f}-{max(ttft) * 1e3:.0f}), engine start {init:.1f} "
+            f"s, cached tokens {statistics.median(cached):.0f}"
         )
     ratios = [
         statistics.median(c["seconds"] for c in cold["reads"])

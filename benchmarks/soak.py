@@ -351,8 +351,7 @@ def print_row(row: dict) -> None:
         f"{row['elapsed_s']:>8.1f} {row['done']:>6d} {row['api_server_mib']:>8.0f} "
         f"{row['engine_core_mib']:>8.0f}  {workers:<20s} {row['host_usage_pct']:>6.1f} "
         f"{row['hit_tokens']:>10d} {row['stored_blocks']:>8d} "
-        f"{row['evicted_blocks']:>8d} "
-        f"{row['failed_transfers']:>6d}",
+        f"{row['evicted_blocks']:>8d} {row['failed_transfers']:>6d}",
         flush=True,
     )
 
@@ -360,8 +359,8 @@ def print_row(row: dict) -> None:
 def print_header() -> None:
     print(
         f"{'elapsed':>8s} {'done':>6s} {'api MiB':>8s} {'core MiB':>8s}  "
-        f"{'worker MiB':<20s} "
-        f"{'host%':>6s} {'hit tok':>10s} {'stored':>8s} {'evicted':>8s} {'failed':>6s}",
+        f"{'worker MiB':<20s} {'host%':>6s} {'hit tok':>10s} {'stored':>8s} "
+        f"{'evicted':>8s} {'failed':>6s}",
         flush=True,
     )
 
@@ -537,22 +536,22 @@ def run_once(
     result["server_flags"] = flags
     s = result["summary"]
     print(
-        f"{s['counts']['done']} requests in {s['elapsed_s']} s "
-        f"({s['requests_per_s']} /s): {s['counts']['completed']} completed, "
-        f"{s['counts']['closed_streams']} streams closed, "
-        f"{s['counts']['abandoned']} abandoned, {s['counts']['errors']} errors"
+        f"{s['counts']['done']} requests in {s['elapsed_s']} s ({s['requests_per_s']} "
+        f"/s): {s['counts']['completed']} completed, {s['counts']['closed_streams']} "
+        f"streams closed, {s['counts']['abandoned']} abandoned, "
+        f"{s['counts']['errors']} errors"
     )
     for sample in s["counts"]["error_samples"]:
         print(f"  error: {sample}")
     print(
-        f"RSS (MiB) at start / warm (after {s['warm_done']} requests) / at the end "
-        "/ max, growth:"
+        f"RSS (MiB) at start / warm (after {s['warm_done']} requests) / at the end / "
+        "max, growth:"
     )
     for proc, p in s["processes"].items():
         print(
             f"  {proc:<12s} {p['start_mib']:8.0f} {p['warm_mib']:8.0f} "
-            f"{p['end_mib']:8.0f} "
-            f"{p['max_mib']:8.0f}  {p['growth_mib']:+7.1f} MiB {p['growth_pct']:+6.1f}%"
+            f"{p['end_mib']:8.0f} {p['max_mib']:8.0f}  {p['growth_mib']:+7.1f} MiB "
+            f"{p['growth_pct']:+6.1f}%"
         )
     print(f"idle after: {s['idle_after']}", flush=True)
     return result

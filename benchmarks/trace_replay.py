@@ -316,8 +316,8 @@ def main() -> None:
     )
     print(f"gap closed: share of the ({baseline} -> belady) gap in blocks saved")
     print(
-        f"{'host C':>7} {'tier':<18} {'host hits':>9} {'saved':>7} {'saved %':>8}"
-        f" {'gap closed':>10} {'s':>6}"
+        f"{'host C':>7} {'tier':<18} {'host hits':>9} {'saved':>7} {'saved %':>8} "
+        f"{'gap closed':>10} {'s':>6}"
     )
     rows = []
     for capacity in args.host_blocks:
@@ -336,8 +336,7 @@ def main() -> None:
             shown = f"{100 * gap:>9.1f}%" if gap is not None else f"{'-':>10}"
             print(
                 f"{capacity:>7} {name:<18} {result['host_hits']:>9} "
-                f"{result['saved']:>7}"
-                f" {100 * result['saved'] / total:>7.2f}% {shown} "
+                f"{result['saved']:>7} {100 * result['saved'] / total:>7.2f}% {shown} "
                 f"{result['seconds']:>6.1f}",
                 flush=True,
             )

@@ -375,8 +375,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                 )
                 print(
                     f"programs={programs:5d} BLOCK_WORDS={block_words:5d} "
-                    f"num_warps={warps} "
-                    f"{rows[-1]['direction']:5s} {gbps:7.2f} GB/s"
+                    f"num_warps={warps} {rows[-1]['direction']:5s} {gbps:7.2f} GB/s"
                 )
     copy_kernels.BLOCK_WORDS, copy_kernels.NUM_WARPS, copy_kernels.NUM_PROGRAMS = (
         defaults
@@ -482,9 +481,8 @@ def queue_cost(
         )
         print(
             f"host time to queue {n} blocks, {name}: one layer's load "
-            f"{per_layer * 1e6:.0f} us, "
-            f"a load of every layer {load * 1e6:.0f} us, a store of every layer "
-            f"{store * 1e6:.0f} us"
+            f"{per_layer * 1e6:.0f} us, a load of every layer {load * 1e6:.0f} us, a "
+            f"store of every layer {store * 1e6:.0f} us"
         )
     return rows
 
@@ -564,8 +562,7 @@ def _cpu_model() -> str:
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'shape':20s} {'ids':9s} {'dir':5s} {'method':20s} {'blocks':>6s} "
-        f"{'MiB':>6s} "
-        f"{'GB/s':>6s} {'vs memcpy':>9s}"
+        f"{'MiB':>6s} {'GB/s':>6s} {'vs memcpy':>9s}"
     )
     for r in rows:
         head = f"{r['shape']:20s} {r['ids']:9s} {r['direction']:5s} {r['method']:20s}"

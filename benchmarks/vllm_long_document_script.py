@@ -90,8 +90,8 @@ def main() -> None:
     }
     print(
         f"vLLM's script, {args.docs} documents of {args.doc_tokens} tokens, device "
-        "cache "
-        f"{args.device_docs} documents, host tier {args.host_docs}; {args.pairs} pairs"
+        f"cache {args.device_docs} documents, host tier {args.host_docs}; {args.pairs} "
+        "pairs"
     )
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     for i in range(args.pairs):

@@ -94,9 +94,8 @@ class OffloadConfig:
         if size % block_size:
             raise OffloadConfigError(
                 f"offload_block_size {size} is not a multiple of the block size "
-                f"{block_size}; "
-                f"set offload_block_size to a multiple of {block_size} (e.g. "
-                f"{2 * block_size})"
+                f"{block_size}; set offload_block_size to a multiple of {block_size} "
+                f"(e.g. {2 * block_size})"
             )
         return size // block_size
 
@@ -115,8 +114,8 @@ class OffloadConfig:
         if unknown:
             raise OffloadConfigError(
                 f"unknown key(s) {', '.join(map(repr, unknown))} in "
-                "kv_connector_extra_config "
-                f"of {CONNECTOR_NAME}; allowed keys: {', '.join(allowed)}"
+                f"kv_connector_extra_config of {CONNECTOR_NAME}; allowed keys: "
+                f"{', '.join(allowed)}"
             )
         swap = parse_swap_space(
             extra.get("swap_space_gib", DEFAULT_SWAP_SPACE_GIB), "swap_space_gib"
@@ -138,8 +137,7 @@ class OffloadConfig:
         ):
             raise OffloadConfigError(
                 "offload_block_size must be a positive number of tokens, a multiple "
-                "of the "
-                f"block size (e.g. 64), got {size!r}"
+                f"of the block size (e.g. 64), got {size!r}"
             )
         path = extra.get("swap_space_path")
         return cls(
@@ -201,6 +199,6 @@ def check_fits_in_host_memory(config: OffloadConfig, num_workers: int = 1) -> No
     if wanted > available:
         raise OffloadConfigError(
             f"--swap-space {config.swap_space_gib:g} GiB x {num_workers} worker(s) "
-            "exceeds the "
-            f"{available / GIB:.1f} GiB of host memory available; lower --swap-space"
+            f"exceeds the {available / GIB:.1f} GiB of host memory available; lower "
+            "--swap-space"
         )

@@ -138,8 +138,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         k = self.offload_config.blocks_per_host_block(block_size)
         if k > 1 and not all(g.is_full for g in self.kv_groups):
             raise OffloadConfigError(
-                "offload_block_size needs full attention in every KV cache group, "
-                f"but the model has {describe(self.kv_groups)}; drop offload_block_size"
+                "offload_block_size needs full attention in every KV cache group, but "
+                f"the model has {describe(self.kv_groups)}; drop offload_block_size"
             )
         block_bytes = block_bytes_of(kv_cache_config)
         self.num_host_blocks = num_host_blocks_for(self.offload_config, block_bytes * k)

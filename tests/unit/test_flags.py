@@ -119,8 +119,8 @@ def test_cli_parser_has_both_flags_and_builds_engine_args() -> None:
                     kv_connector_extra_config={"copy_backend": "nccl"},
                 )
             },
-            "copy_backend 'nccl' is not known; "
-            "choose one of: auto, triton, dma, staged",
+            "copy_backend 'nccl' is not known; choose one of: auto, triton, dma, "
+            "staged",
         ),
     ],
 )

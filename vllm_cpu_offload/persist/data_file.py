@@ -81,10 +81,8 @@ class TierDataFile:
                 os.ftruncate(fd, 0)
                 raise OffloadConfigError(
                     f"--swap-space-path {self.path} cannot hold {size / GIB:.2f} GiB "
-                    "of host "
-                    f"KV for worker {self.worker} ({e.strerror}); lower --swap-space "
-                    "or free "
-                    "space there"
+                    f"of host KV for worker {self.worker} ({e.strerror}); lower "
+                    "--swap-space or free space there"
                 ) from None
         self._file.meta = {
             "format": tier_dir.FORMAT_VERSION,

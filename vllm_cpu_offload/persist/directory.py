@@ -39,8 +39,8 @@ def check_tier_directory(path: str) -> None:
             directory.mkdir(mode=DIR_MODE, parents=True)
         except OSError as e:
             raise OffloadConfigError(
-                f"--swap-space-path {path} cannot be created ({e.strerror}); "
-                "choose a directory you can write"
+                f"--swap-space-path {path} cannot be created ({e.strerror}); choose a "
+                "directory you can write"
             ) from None
     st = directory.lstat()
     if not stat.S_ISDIR(st.st_mode):
@@ -51,15 +51,14 @@ def check_tier_directory(path: str) -> None:
     if st.st_uid != os.getuid():
         raise OffloadConfigError(
             f"--swap-space-path {path} belongs to another user (uid {st.st_uid}); use "
-            "a "
-            "directory of your own"
+            "a directory of your own"
         )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise OffloadConfigError(
             f"--swap-space-path {path} is writable by other users (mode "
             f"{stat.S_IMODE(st.st_mode):o}); the tier holds prompts: run chmod go-w "
-            f"{path} "
-            f"or use a subdirectory (e.g. {path.rstrip('/')}/vllm-kv, created 0700)"
+            f"{path} or use a subdirectory (e.g. {path.rstrip('/')}/vllm-kv, created "
+            "0700)"
         )
     for tier_file in sorted(directory.glob(TIER_FILE_GLOB)):
         fd = os.open(tier_file, os.O_RDONLY | os.O_NOFOLLOW)
@@ -99,8 +98,7 @@ def lock(fd: int, directory: str) -> None:
     except BlockingIOError:
         raise OffloadConfigError(
             f"--swap-space-path {directory} is in use by another running engine; give "
-            "each "
-            "engine its own --swap-space-path"
+            "each engine its own --swap-space-path"
         ) from None
 
 

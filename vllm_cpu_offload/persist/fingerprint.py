@@ -33,10 +33,8 @@ def check_stable_block_hashes(hash_algo: str) -> None:
     if hash_algo in _PER_PROCESS_SEEDED and os.getenv("PYTHONHASHSEED") is None:
         raise OffloadConfigError(
             "--swap-space-path needs block hashes that are the same in every process, "
-            "but "
-            f"--prefix-caching-hash-algo {hash_algo} seeds them at random per process; "
-            "use "
-            "sha256 or sha256_cbor, or set PYTHONHASHSEED"
+            f"but --prefix-caching-hash-algo {hash_algo} seeds them at random per "
+            "process; use sha256 or sha256_cbor, or set PYTHONHASHSEED"
         )
 
 

@@ -70,17 +70,16 @@ def kv_groups_of(
             names = ", ".join(group.layer_names[:3])
             more = ", ..." if len(group.layer_names) > 3 else ""
             raise OffloadConfigError(
-                f"--enable-cpu-offload supports full, sliding-window and chunked local "
+                "--enable-cpu-offload supports full, sliding-window and chunked local "
                 f"attention, but KV cache group {group_id} is {kind} (layers "
-                f"{names}{more}); "
-                f"drop --enable-cpu-offload"
+                f"{names}{more}); drop --enable-cpu-offload"
             )
         if spec.block_size != block_size:
             raise OffloadConfigError(
                 "--enable-cpu-offload needs every KV cache group to use the block "
-                "size "
-                f"{block_size}, but group {group_id} ({kind}) uses {spec.block_size}; "
-                f"set --block-size {spec.block_size} or drop --enable-cpu-offload"
+                f"size {block_size}, but group {group_id} ({kind}) uses "
+                f"{spec.block_size}; set --block-size {spec.block_size} or drop "
+                "--enable-cpu-offload"
             )
         groups.append(served)
     return tuple(groups)

@@ -48,7 +48,7 @@ def resolve_policy(name: str) -> type[EvictionPolicy]:
                 raise OffloadConfigError(
                     f"eviction_policy {name!r}: entry point {entry.value!r} of group "
                     f"{ENTRY_POINT_GROUP} failed to load ({type(e).__name__}: {e}); "
-                    f"fix or reinstall the package that declares it"
+                    "fix or reinstall the package that declares it"
                 ) from None
             return _checked(name, loaded)
     if "." in name or ":" in name:
@@ -56,8 +56,7 @@ def resolve_policy(name: str) -> type[EvictionPolicy]:
     known = ", ".join(available_policy_names())
     raise OffloadConfigError(
         f"eviction_policy {name!r} is not known; choose one of: {known}, or name a "
-        "policy "
-        f"class by import path ('my_pkg.module:MyPolicy')"
+        "policy class by import path ('my_pkg.module:MyPolicy')"
     )
 
 
