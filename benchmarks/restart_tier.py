@@ -58,7 +58,9 @@ def startup_components(path: Path, gib: float, block_bytes: int) -> dict[str, fl
         start = time.perf_counter()
         index = BlockIndex(str(path), fingerprint, blocks, ["tp0-pp0"])
         restored = index.open()
-        pool = HostBlockPool(blocks, make_policy("prefix_aware", blocks), index=index)
+        pool = HostBlockPool(
+            blocks, make_policy("prefix_aware", blocks), persistence=index
+        )
         adopted = pool.restore((b.host_id, b.key, b.parent) for b in restored)
         indexed = time.perf_counter() - start
         if fill:  # every block written and recorded, chains of 32 blocks

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_cpu_offload.errors import GIB, OffloadConfigError
+
 CONNECTOR_NAME = "CPUOffloadConnector"
 CONNECTOR_MODULE = "vllm_cpu_offload.connector"
 
@@ -30,8 +32,6 @@ DEFAULT_EVICTION_POLICY = "prefix_aware"
 COPY_BACKENDS = ("auto", "triton", "dma", "staged")
 DEFAULT_COPY_BACKEND = "auto"
 
-GIB = 1 << 30
-
 
 def names_our_connector(kv_transfer_config: Any) -> bool:
     """Whether a vLLM `kv_transfer_config` (or None) selects this connector."""
@@ -39,10 +39,6 @@ def names_our_connector(kv_transfer_config: Any) -> bool:
         kv_transfer_config is not None
         and kv_transfer_config.kv_connector == CONNECTOR_NAME
     )
-
-
-class OffloadConfigError(ValueError):
-    """Bad user input for the host tier; the message is one line and names the fix."""
 
 
 @dataclass(frozen=True)
@@ -121,10 +117,10 @@ class OffloadConfig:
             extra.get("swap_space_gib", DEFAULT_SWAP_SPACE_GIB), "swap_space_gib"
         )
         policy = extra.get("eviction_policy", DEFAULT_EVICTION_POLICY)
-        from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
-
-        # a bad name or class fails here, before the engine starts
-        resolve_policy(policy)
+        if not isinstance(policy, str) or not policy:
+            raise OffloadConfigError(
+                f"eviction_policy must be a name or an import path, got {policy!r}"
+            )
         backend = extra.get("copy_backend", DEFAULT_COPY_BACKEND)
         if backend not in COPY_BACKENDS:
             raise OffloadConfigError(
@@ -175,30 +171,3 @@ def parse_swap_space_path(value: object, name: str = "--swap-space-path") -> str
             f"{value!r}"
         )
     return os.path.abspath(os.path.expanduser(value))
-
-
-def available_host_memory_bytes() -> int:
-    """Host memory that can be allocated now (MemAvailable), in bytes."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
-def check_fits_in_host_memory(config: OffloadConfig, num_workers: int = 1) -> None:
-    """Refuses a swap space larger than the host memory available now (with
-    `swap_space_path`: larger than the space its file system has for the tier)."""
-    wanted = config.swap_space_bytes * num_workers
-    if config.swap_space_path is not None:
-        from vllm_cpu_offload.persist.directory import check_tier_fits
-
-        check_tier_fits(
-            config.swap_space_path, wanted, config.swap_space_gib, num_workers
-        )
-        return
-    available = available_host_memory_bytes()
-    if wanted > available:
-        raise OffloadConfigError(
-            f"--swap-space {config.swap_space_gib:g} GiB x {num_workers} worker(s) "
-            f"exceeds the {available / GIB:.1f} GiB of host memory available; lower "
-            "--swap-space"
-        )

@@ -22,7 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_cpu_offload.config import GIB, OffloadConfig, OffloadConfigError
+from vllm_cpu_offload.config import OffloadConfig
+from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.events import to_kv_events
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import (
@@ -170,7 +171,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             pool = HostBlockPool(
                 self.num_host_blocks,
                 make_policy(self.offload_config.eviction_policy, self.num_host_blocks),
-                index=self._index,
+                persistence=self._index,
             )
             if self._index is not None:
                 adopted = pool.restore((b.host_id, b.key, b.parent) for b in restored)
@@ -183,7 +184,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 * parallel.pipeline_parallel_size,
                 block_bytes=block_bytes,
                 groups=self.kv_groups,
-                record_events=self._publish_events,
+                record_stored_blocks=self._publish_events,
                 blocks_per_host_block=k,
             )
         else:

@@ -33,18 +33,20 @@ import sys
 import weakref
 from typing import Any
 
+import psutil
+
 from vllm_cpu_offload.config import (
     CONNECTOR_MODULE,
     CONNECTOR_NAME,
     DEFAULT_SWAP_SPACE_GIB,
     OffloadConfig,
-    OffloadConfigError,
-    check_fits_in_host_memory,
     names_our_connector,
     parse_swap_space,
     parse_swap_space_path,
 )
-from vllm_cpu_offload.persist.directory import check_tier_directory
+from vllm_cpu_offload.errors import GIB, OffloadConfigError
+from vllm_cpu_offload.persist.directory import check_tier_directory, check_tier_fits
+from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
 
 # Every vLLM release the package is tested against (README: "Supported vLLM").
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
@@ -136,10 +138,36 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     workers = int(engine_args.tensor_parallel_size) * int(
         engine_args.pipeline_parallel_size
     )
+    # A bad policy name or class fails here, before the engine starts.
+    resolve_policy(config.eviction_policy)
     if config.swap_space_path is not None:
         check_tier_directory(config.swap_space_path)
     check_fits_in_host_memory(config, workers)
     return config
+
+
+def available_host_memory_bytes() -> int:
+    """Host memory that can be allocated now (MemAvailable), in bytes."""
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_fits_in_host_memory(config: OffloadConfig, num_workers: int = 1) -> None:
+    """Refuses a swap space larger than the host memory available now (with
+    `swap_space_path`: larger than the space its file system has for the tier)."""
+    wanted = config.swap_space_bytes * num_workers
+    if config.swap_space_path is not None:
+        check_tier_fits(
+            config.swap_space_path, wanted, config.swap_space_gib, num_workers
+        )
+        return
+    available = available_host_memory_bytes()
+    if wanted > available:
+        raise OffloadConfigError(
+            f"--swap-space {config.swap_space_gib:g} GiB x {num_workers} worker(s) "
+            f"exceeds the {available / GIB:.1f} GiB of host memory available; lower "
+            "--swap-space"
+        )
 
 
 def check_engine(vllm_config: Any, config: OffloadConfig) -> None:

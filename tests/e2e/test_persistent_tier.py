@@ -25,7 +25,7 @@ from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import long_documents
 from tests.e2e.servers import RunningServer, metrics, running_server
 from tests.e2e.test_serving_load import OFFLOAD, complete, idle, settled_metrics
-from vllm_cpu_offload.config import OffloadConfigError
+from vllm_cpu_offload.errors import OffloadConfigError
 from vllm_cpu_offload.persist.directory import check_tier_directory
 from vllm_cpu_offload.testing.tiny_model import random_words
 

@@ -23,8 +23,8 @@ from vllm_cpu_offload.config import (  # noqa: E402
     CONNECTOR_NAME,
     DEFAULT_SWAP_SPACE_GIB,
     OffloadConfig,
-    OffloadConfigError,
 )
+from vllm_cpu_offload.errors import OffloadConfigError  # noqa: E402
 
 plugin.register()
 

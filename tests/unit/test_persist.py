@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from torch import Tensor
 
-from vllm_cpu_offload.config import OffloadConfig, OffloadConfigError
+from vllm_cpu_offload.config import OffloadConfig
+from vllm_cpu_offload.errors import OffloadConfigError
 from vllm_cpu_offload.persist.block_index import RECORD_BYTES, BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.persist.directory import check_tier_directory
@@ -216,7 +217,7 @@ def test_the_directory_is_created_private_and_a_shared_one_is_refused(
 
 def test_a_tier_larger_than_its_file_system_is_refused(tmp_path: Path) -> None:
     config = OffloadConfig(swap_space_gib=1e6, swap_space_path=str(tmp_path))
-    from vllm_cpu_offload.config import check_fits_in_host_memory
+    from vllm_cpu_offload.flags import check_fits_in_host_memory
 
     with pytest.raises(
         OffloadConfigError, match=f"that {tmp_path} can hold; lower --swap-space"
@@ -252,23 +253,23 @@ def test_the_pool_records_what_it_serves_and_restores_it(
     # as usual.
     make_tier(tmp_path)
     index, _ = open_index(tmp_path)
-    pool = HostBlockPool(4, make_policy(policy, 4), index=index)
+    pool = HostBlockPool(4, make_policy(policy, 4), persistence=index)
     chain = [key(i) for i in range(6)]
     got = pool.allocate_for_store(chain[:4], None)
     pool.complete_store([k for k, _ in got], True)
     got = pool.allocate_for_store(chain[4:], chain[3])  # evicts to make room
     pool.complete_store([k for k, _ in got], True)
-    held = {k: pool._held[k].block_id for k in chain if k in pool}
+    held = {k: pool._by_key[k].block_id for k in chain if k in pool}
     index.close()
 
     index2, restored = open_index(tmp_path)
     assert {b.key: b.host_id for b in restored} == held
-    pool2 = HostBlockPool(4, make_policy(policy, 4), index=index2)
+    pool2 = HostBlockPool(4, make_policy(policy, 4), persistence=index2)
     assert pool2.restore((b.host_id, b.key, b.parent) for b in restored) == len(held)
     pool2.check_invariants()
     for k in held:
         assert pool2.state_of(k) is BlockState.READY
-        parent = pool2._held[k].parent
+        parent = pool2._by_key[k].parent
         i = chain.index(k)
         expected = chain[i - 1] if i and chain[i - 1] in held else None
         assert (parent.key if parent else None) == expected
@@ -279,4 +280,4 @@ def test_the_pool_records_what_it_serves_and_restores_it(
     pool2.check_invariants()
     index2.close()
     _, final = open_index(tmp_path)
-    assert {b.key for b in final} == set(pool2._held)
+    assert {b.key for b in final} == set(pool2._by_key)

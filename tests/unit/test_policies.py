@@ -169,7 +169,7 @@ def test_prefix_aware_remembers_evicted_keys_as_reused() -> None:
     assert "r" not in pool
     store(pool, ["r"])
     store(pool, ["u"])
-    assert pool._held["r"].segment == 1 and pool._held["u"].segment == 0
+    assert pool._by_key["r"].segment == 1 and pool._by_key["u"].segment == 0
 
 
 def test_prefix_aware_sample_flag_follows_the_key_not_the_block() -> None:
@@ -178,11 +178,11 @@ def test_prefix_aware_sample_flag_follows_the_key_not_the_block() -> None:
     policy = PrefixAwarePolicy(2, shadow_blocks=1)
     pool = HostBlockPool(2, policy)
     store(pool, [0])
-    sampled_block = pool._held[0]
-    assert sampled_block.flag
+    sampled_block = pool._by_key[0]
+    assert sampled_block.in_duel_sample
     store(pool, [1])
     store(pool, [3])  # evicts 0; its block now holds 3
-    assert pool._held[3] is sampled_block and not sampled_block.flag
+    assert pool._by_key[3] is sampled_block and not sampled_block.in_duel_sample
     uses = policy._duel._uses
     assert pool.count_hits([3]) == 1 and pool.count_hits([1]) == 1
     assert policy._duel._uses == uses

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.external_policy.fifo import FIFOPolicy
-from vllm_cpu_offload.config import OffloadConfig, OffloadConfigError
+from vllm_cpu_offload.config import OffloadConfig
+from vllm_cpu_offload.errors import OffloadConfigError
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.policies import (
     ENTRY_POINT_GROUP,
@@ -81,6 +82,6 @@ def test_a_policy_by_entry_point(
 )
 def test_a_bad_policy_is_a_one_line_error_before_start(name: str, message: str) -> None:
     with pytest.raises(OffloadConfigError) as info:
-        OffloadConfig.from_extra_config({"eviction_policy": name})
+        resolve_policy(name)
     assert message in str(info.value)
     assert "\n" not in str(info.value)

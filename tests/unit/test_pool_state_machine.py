@@ -54,7 +54,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert victim.evictable, f"victim {victim} is pinned or storing"
         if not self.chain_aware:
             return
-        held = list(self.pool._held.values())
+        held = list(self.pool._by_key.values())
         if not victim.orphan:
             assert victim.num_children == 0, (
                 f"evicting {victim} would orphan its children"

@@ -319,7 +319,7 @@ def test_hybrid_groups_store_every_group_and_load_only_the_window() -> None:
     pool = engine.tier.pool
     expected = [(0, twin.block_hashes[i]) for i in range(6)]
     expected += [(1, twin.block_hashes[i]) for i in (4, 5)]
-    assert load.host_block_ids == [pool._held[key].block_id for key in expected]
+    assert load.host_block_ids == [pool._by_key[key].block_id for key in expected]
     assert engine.tier.stats.loaded_blocks == 8
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vllm_cpu_offload.config import GIB, OffloadConfigError
+from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.persist import directory as tier_dir
 from vllm_cpu_offload.persist.tier_file import TierFile
 

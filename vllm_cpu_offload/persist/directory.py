@@ -19,7 +19,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from vllm_cpu_offload.config import GIB, OffloadConfigError
+from vllm_cpu_offload.errors import GIB, OffloadConfigError
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_cpu_offload.config import OffloadConfigError
+from vllm_cpu_offload.errors import OffloadConfigError
 
 # vLLM's non-cryptographic prefix-caching hashes: a random per-process NONE_HASH seed
 # unless PYTHONHASHSEED is set.

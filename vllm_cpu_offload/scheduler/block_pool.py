@@ -40,7 +40,7 @@ class PoolEvent:
     detail: object = None
 
 
-class PoolIndex(Protocol):
+class PersistenceListener(Protocol):
     """What a persisted index (persist/block_index.py) hears of the pool: blocks that
     became visible, in chain order, and blocks about to be reused."""
 
@@ -59,7 +59,7 @@ class HostBlockPool:
         num_blocks: int,
         policy: EvictionPolicy,
         record_events: bool = True,
-        index: PoolIndex | None = None,
+        persistence: PersistenceListener | None = None,
     ):
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
@@ -68,14 +68,14 @@ class HostBlockPool:
         self._blocks = [HostBlock(i) for i in range(num_blocks)]
         # A stack, so the lowest ids go first and a freed id is the next one reused.
         self._free: list[HostBlock] = self._blocks[::-1]
-        self._held: dict[BlockKey, HostBlock] = {}
+        self._by_key: dict[BlockKey, HostBlock] = {}
         self._num_storing = 0
         self._num_pinned = 0
         self._record_events = record_events
         self._events: list[PoolEvent] = []
         # Told of every block that becomes READY and of every block released, before its
         # id can be handed out again: what a restarted engine may serve.
-        self._index = index
+        self._persistence = persistence
 
     # ----- sizes -----
 
@@ -101,14 +101,14 @@ class HostBlockPool:
         return self._num_pinned
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._by_key)
 
     def __contains__(self, key: BlockKey) -> bool:
-        return key in self._held
+        return key in self._by_key
 
     def state_of(self, key: BlockKey) -> BlockState | None:
         """The key's state, or None if the pool does not hold it."""
-        block = self._held.get(key)
+        block = self._by_key.get(key)
         return None if block is None else block.state
 
     # ----- lookups and loads -----
@@ -121,7 +121,7 @@ class HostBlockPool:
         """
         hits: list[HostBlock] = []
         append = hits.append
-        get = self._held.get
+        get = self._by_key.get
         ready = BlockState.READY
         for key in keys:
             block = get(key)
@@ -138,7 +138,7 @@ class HostBlockPool:
 
         Keys that are missing or STORING are ignored. Deepest first, as in `count_hits`.
         """
-        get = self._held.get
+        get = self._by_key.get
         ready = BlockState.READY
         used = [
             block
@@ -157,7 +157,7 @@ class HostBlockPool:
             ValueError: a key is not held or not READY (nothing is pinned then).
 
         """
-        blocks = [self._held.get(key) for key in keys]
+        blocks = [self._by_key.get(key) for key in keys]
         for key, block in zip(keys, blocks, strict=True):
             if block is None or block.state is not BlockState.READY:
                 raise ValueError(
@@ -177,7 +177,7 @@ class HostBlockPool:
             ValueError: a key is not held or not pinned (nothing is unpinned then).
 
         """
-        blocks = [self._held.get(key) for key in keys]
+        blocks = [self._by_key.get(key) for key in keys]
         for key, block in zip(keys, blocks, strict=True):
             if block is None or block.pin_count == 0:
                 raise ValueError(f"cannot unpin {key!r}: it is not pinned")
@@ -204,7 +204,7 @@ class HostBlockPool:
             The (key, host block id) pairs allocated, in chain order. O(1) per key.
 
         """
-        held = self._held
+        held = self._by_key
         get = held.get
         free = self._free
         pop = free.pop
@@ -274,7 +274,7 @@ class HostBlockPool:
             ValueError: a key is not a STORING block of the pool (nothing changes then).
 
         """
-        get = self._held.get
+        get = self._by_key.get
         storing = BlockState.STORING
         # Deepest first, so that each ancestor ends at least as recent as its
         # descendants and a failed chain is freed leaves first.
@@ -296,8 +296,8 @@ class HostBlockPool:
         checked = cast("list[HostBlock]", done)  # no None: checked above
         if success:
             self.policy.on_ready(checked)
-            if self._index is not None:
-                self._index.record(
+            if self._persistence is not None:
+                self._persistence.record(
                     [
                         (b.block_id, b.key, None if b.parent is None else b.parent.key)
                         for b in reversed(checked)
@@ -323,13 +323,13 @@ class HostBlockPool:
             skipped).
 
         """
-        assert not self._held, "restore() is for a pool that holds nothing"
+        assert not self._by_key, "restore() is for a pool that holds nothing"
         adopted = 0
         for host_id, key, parent_key in blocks:
-            if not 0 <= host_id < self.num_blocks or key in self._held:
+            if not 0 <= host_id < self.num_blocks or key in self._by_key:
                 continue
             block = self._blocks[host_id]
-            parent = self._held.get(parent_key) if parent_key is not None else None
+            parent = self._by_key.get(parent_key) if parent_key is not None else None
             block.key = key
             block.orphan = parent_key is not None and parent is None
             if parent is not None:
@@ -339,7 +339,7 @@ class HostBlockPool:
                     parent.first_child.prev_sibling = block
                 parent.first_child = block
                 parent.num_children += 1
-            self._held[key] = block
+            self._by_key[key] = block
             # One at a time, oldest first: the policy's recency follows the tier's
             # history.
             self.policy.on_insert([block])
@@ -358,7 +358,7 @@ class HostBlockPool:
             How many blocks were dropped. Pinned and STORING blocks stay.
 
         """
-        dropped = [block for block in self._held.values() if block.evictable]
+        dropped = [block for block in self._by_key.values() if block.evictable]
         keys = []
         for block in dropped:
             keys.append(block.key)
@@ -379,12 +379,12 @@ class HostBlockPool:
         debugging."""
         free_ids = {block.block_id for block in self._free}
         assert len(free_ids) == len(self._free), "a free id is listed twice"
-        held_ids = {block.block_id for block in self._held.values()}
-        assert len(held_ids) == len(self._held), "a host block is held by two keys"
+        held_ids = {block.block_id for block in self._by_key.values()}
+        assert len(held_ids) == len(self._by_key), "a host block is held by two keys"
         assert not free_ids & held_ids, "a held block is also free"
         assert len(free_ids) + len(held_ids) == self.num_blocks, "a block id leaked"
         storing = pinned = 0
-        for key, block in self._held.items():
+        for key, block in self._by_key.items():
             assert block.key == key and self._blocks[block.block_id] is block
             assert block.pin_count >= 0
             assert block.state is BlockState.READY or block.pin_count == 0, (
@@ -393,7 +393,7 @@ class HostBlockPool:
             storing += block.state is BlockState.STORING
             pinned += block.pin_count > 0
             if block.parent is not None:
-                assert self._held.get(block.parent.key) is block.parent, (
+                assert self._by_key.get(block.parent.key) is block.parent, (
                     "dangling parent"
                 )
             assert block.num_children == sum(1 for _ in _children(block))
@@ -414,7 +414,7 @@ class HostBlockPool:
         if parent is not None and parent.evictable:
             self._pin_block(parent)
             shielded.append(parent)
-        held = self._held
+        held = self._by_key
         for key in keys:
             block = held.get(key)
             if block is not None and block.evictable:
@@ -441,7 +441,7 @@ class HostBlockPool:
             return False
         assert victim.evictable, f"policy chose {victim}, which is not evictable"
         assert victim.owner is None, f"policy still lists its victim {victim}"
-        assert victim.key is not None and self._held.get(victim.key) is victim
+        assert victim.key is not None and self._by_key.get(victim.key) is victim
         evicted.append(victim.key)
         self._release(victim)
         return True
@@ -449,9 +449,9 @@ class HostBlockPool:
     def _release(self, block: HostBlock) -> None:
         """Frees a block the policy no longer lists; its children become orphans."""
         assert block.pin_count == 0 and block.owner is None
-        if self._index is not None:
-            self._index.clear(block.block_id)
-        del self._held[block.key]
+        if self._persistence is not None:
+            self._persistence.clear(block.block_id)
+        del self._by_key[block.key]
         parent = block.parent
         if parent is not None:
             if block.prev_sibling is None:

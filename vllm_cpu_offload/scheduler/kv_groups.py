@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_cpu_offload.config import OffloadConfigError
+from vllm_cpu_offload.errors import OffloadConfigError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig

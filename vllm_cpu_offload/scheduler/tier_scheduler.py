@@ -90,7 +90,7 @@ class HostTierScheduler:
         num_workers: int,
         block_bytes: int,
         groups: Sequence[KVGroup] = FULL_ATTENTION_ONLY,
-        record_events: bool = False,
+        record_stored_blocks: bool = False,
         blocks_per_host_block: int = 1,
     ) -> None:
         self.pool = pool
@@ -105,7 +105,7 @@ class HostTierScheduler:
         self.groups = tuple(groups)
         self._single_full_group = self.groups == FULL_ATTENTION_ONLY
         # Whether stores record what vLLM's BlockStored events say (KV events are on).
-        self.record_events = record_events
+        self.record_stored_blocks = record_stored_blocks
         self._null_block_id = NULL_BLOCK_ID
         self.num_workers = num_workers
         self.stats = TierStats(block_bytes=block_bytes)
@@ -117,7 +117,7 @@ class HostTierScheduler:
         self._step_loads: list[BlockTransfer] = []
         # Finished requests whose device blocks wait for these store jobs, not yet
         # handed to the workers (that happens in the next step's metadata).
-        self._held: dict[str, set[int]] = {}
+        self._awaiting_stores: dict[str, set[int]] = {}
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -254,10 +254,10 @@ class HostTierScheduler:
         step."""
         meta = OffloadStepMetadata(
             loads=self._step_loads,
-            delayed_free_req_ids=list(self._held),
+            delayed_free_req_ids=list(self._awaiting_stores),
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
         )
-        self._step_loads, self._held = [], {}
+        self._step_loads, self._awaiting_stores = [], {}
         self.stats.preempted_requests += len(meta.preempted_req_ids)
         for req_id in meta.preempted_req_ids:
             if (state := self._requests.get(req_id)) is not None:
@@ -294,7 +294,7 @@ class HostTierScheduler:
         device_ids: list[int] = []
         slots: list[int] = []
         allocated: list[tuple[BlockKey, int]] = []
-        stored: list[StoredBlocks] | None = [] if self.record_events else None
+        stored: list[StoredBlocks] | None = [] if self.record_stored_blocks else None
         for group in self.groups:
             ids = block_ids[group.group_id]
             # Runs of host blocks whose device blocks the group still holds: a window
@@ -348,9 +348,11 @@ class HostTierScheduler:
                 self._reports[job_id] += count
                 if self._reports[job_id] >= self.num_workers:
                     self._complete(job_id, success=True)
-        released = {req_id for req_id, jobs in self._held.items() if not jobs}
+        released = {
+            req_id for req_id, jobs in self._awaiting_stores.items() if not jobs
+        }
         for req_id in released:
-            del self._held[req_id]
+            del self._awaiting_stores[req_id]
         return released
 
     def _complete(self, job_id: int, success: bool) -> None:
@@ -372,15 +374,15 @@ class HostTierScheduler:
         state = self._requests.get(job.req_id)
         if state is not None:
             state.store_jobs.discard(job_id)
-        elif (held := self._held.get(job.req_id)) is not None:
-            held.discard(job_id)
+        elif (awaiting := self._awaiting_stores.get(job.req_id)) is not None:
+            awaiting.discard(job_id)
 
     def request_finished(self, request: Request) -> bool:
         """Returns True when the request's device blocks must outlive its stores."""
         state = self._requests.pop(request.request_id, None)
         if state is None or not state.store_jobs:
             return False
-        self._held[request.request_id] = state.store_jobs
+        self._awaiting_stores[request.request_id] = state.store_jobs
         return True
 
     def reset_cache(self) -> bool:

@@ -5,8 +5,8 @@ registration order; for each layer its runs in order), so one host block is one
 contiguous byte range: evicting, copying or hashing a block never touches another
 block's memory.
 
-    byte of (host block h, layer l, run c) = h * block_bytes + slot_offset[l] + c *
-    chunk_bytes
+    byte of (host block h, layer l, run c)
+        = h * block_bytes + slot_offset[l] + c * chunk_bytes
 
 Pinned (page-locked and mapped) when CUDA is available, so device kernels read and write
 it directly; plain memory on the CPU platform, written once at allocation so that every
@@ -19,7 +19,7 @@ allocator rounds every request up to a power of two, so a 40 GiB `--swap-space` 
 lock 64 GiB. With `--swap-space-path` the same layout lives in a shared mapping of a
 file that outlives the process (`data_file=`, persist/data_file.py). The same layout can
 live in device memory (`device=`): a few blocks of staging for copies that move whole
-blocks over PCIe (`staged_copy.py`). This module imports torch only.
+blocks over PCIe (`copiers/staged.py`). Of third-party modules it imports torch only.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from vllm_cpu_offload.errors import GIB
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
 
-GIB = 1 << 30
 # cudaHostRegisterPortable | cudaHostRegisterMapped: usable from kernels on any device.
 _REGISTER_FLAGS = 0x1 | 0x2
 # Every layer slot starts on a 16-byte boundary so copies can move 8- or 16-byte words.

@@ -37,8 +37,8 @@ class HostBlock:
 
     `key` is None exactly when the block is free. `prev`/`next` belong to whichever
     `BlockList` the policy put the block in (`owner`; a block not in a list links to
-    itself); `segment`, `stamp` and `flag` are the policy's own bookkeeping and mean
-    nothing to the pool.
+    itself); `segment`, `stamp` and `in_duel_sample` are the policy's own bookkeeping
+    and mean nothing to the pool.
     """
 
     __slots__ = (
@@ -57,7 +57,7 @@ class HostBlock:
         "owner",
         "segment",
         "stamp",
-        "flag",
+        "in_duel_sample",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -78,7 +78,7 @@ class HostBlock:
         self.owner: BlockList | None = None
         self.segment = 0
         self.stamp = 0
-        self.flag = False
+        self.in_duel_sample = False
 
     @property
     def evictable(self) -> bool:
@@ -237,12 +237,6 @@ class EvictionPolicy(ABC):
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._clock = 0
-
-    def tick(self) -> int:
-        """The next value of the policy's monotonic clock."""
-        self._clock += 1
-        return self._clock
 
     def admit(self, key: BlockKey) -> bool:
         """Whether a new key may evict a block to get in; asked only when the pool is

@@ -57,6 +57,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         shadow_blocks: int = 1024,
     ) -> None:
         super().__init__(num_blocks)
+        self._clock = 0  # recency stamps: a counter, never wall-clock time
         if not 0.0 <= protected_fraction < 1.0:
             raise ValueError(
                 f"protected_fraction must be in [0, 1), got {protected_fraction}"
@@ -96,8 +97,8 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._remember(h)
 
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
-        # A free block is in probation with `flag` clear: `pop_victim` and `on_remove`
-        # see to it.
+        # A free block is in probation with `in_duel_sample` clear: `pop_victim` and
+        # `on_remove` see to it.
         history, duel = self._history, self._duel
         mask = duel.modulus - 1
         # one stamp per batch: its blocks came together
@@ -107,8 +108,8 @@ class PrefixAwarePolicy(EvictionPolicy):
             block.stamp = clock
             h = hash(block.key)
             if not h & mask:
-                # Sampled keys feed the shadows, here and at every later use (`flag`).
-                block.flag = True
+                # Sampled keys feed the shadows, here and at every later use.
+                block.in_duel_sample = True
                 duel.use(h)
             if h in history:
                 del history[h]
@@ -153,7 +154,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         # from the probation list to the protected list: sizes change once, below
         moved = 0
         for block in blocks:
-            if block.flag:
+            if block.in_duel_sample:
                 duel.use(hash(block.key))
             block.stamp = clock
             owner = block.owner
@@ -202,7 +203,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         if block.owner is not None:
             block.owner.remove(block)
         self._set_segment(block, _PROBATION)
-        block.flag = False
+        block.in_duel_sample = False
 
     def on_orphaned(self, block: HostBlock) -> None:
         if block.owner is not None:
@@ -242,7 +243,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         if victim.segment == _PROTECTED:
             victim.segment = _PROBATION
             self._num_protected -= 1
-        victim.flag = False
+        victim.in_duel_sample = False
         history = self._history
         history[hash(victim.key)] = None
         if len(history) > self._history_cap:
@@ -372,30 +373,30 @@ class _ShadowCache:
     """A key-only LRU cache that counts its hits; refuses first-sight keys if
     `doorkeeper`."""
 
-    __slots__ = ("capacity", "hits", "_doorkeeper", "_held", "_history", "_history_cap")
+    __slots__ = ("capacity", "hits", "_doorkeeper", "_keys", "_history", "_history_cap")
 
     def __init__(self, capacity: int, history_factor: float, doorkeeper: bool) -> None:
         self.capacity = capacity
         self.hits = 0.0
         self._doorkeeper = doorkeeper
-        self._held: OrderedDict[int, None] = OrderedDict()
+        self._keys: OrderedDict[int, None] = OrderedDict()
         self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(capacity * history_factor))
 
     def use(self, key: int) -> None:
-        held = self._held
-        if key in held:
-            held.move_to_end(key)
+        keys = self._keys
+        if key in keys:
+            keys.move_to_end(key)
             self.hits += 1
             return
-        full = len(held) >= self.capacity
+        full = len(keys) >= self.capacity
         if full and self._doorkeeper and key not in self._history:
             self._remember(key)
             return
         self._history.pop(key, None)
-        held[key] = None
+        keys[key] = None
         if full:
-            self._remember(held.popitem(last=False)[0])
+            self._remember(keys.popitem(last=False)[0])
 
     def _remember(self, key: int) -> None:
         self._history[key] = None

@@ -18,7 +18,7 @@ import importlib
 import inspect
 from importlib.metadata import entry_points
 
-from vllm_cpu_offload.config import OffloadConfigError
+from vllm_cpu_offload.errors import OffloadConfigError
 
 from .base import EvictionPolicy
 
