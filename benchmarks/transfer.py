@@ -2,7 +2,7 @@
 
 For each cache shape, copies a batch of randomly scattered blocks (every layer) with:
   ours TransferEngine.copy_blocks with its default copier (CPU: stacked torch views) dma
-  CUDA: the copy engines, one cudaMemcpyBatchAsync per launch (dma_copy.py) triton CUDA:
+  CUDA: the copy engines, one cudaMemcpyBatchAsync per launch (dma.py) triton CUDA:
   the Triton kernels (copy_kernels.py) staged-* CUDA: whole blocks through device
   staging (staged_copy.py), gathered on the
              copy engines (staged-dma) or the kernels (staged-kernel)
@@ -129,9 +129,9 @@ def copiers(
     """The copy methods of this machine, each behind its own transfer engine."""
     if device != "cuda":
         return {"ours": TransferEngine(caches, host)}
-    from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
-    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
-    from vllm_cpu_offload.worker.staged_copy import GATHERS, StagedBlockCopier
+    from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
+    from vllm_cpu_offload.worker.copiers.staged import GATHERS, StagedBlockCopier
+    from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
     made: dict[str, BlockCopier] = {"triton": TritonBlockCopier(caches, host)}
     try:
@@ -337,7 +337,7 @@ def _beside(main: Callable[[], None], copy: Callable[[], None] | None) -> float:
 def sweep(args: argparse.Namespace) -> list[dict]:
     """CUDA only: GB/s of the Triton kernel over its launch constants, 8B shape, flash
     layout."""
-    from vllm_cpu_offload.worker import copy_kernels
+    from vllm_cpu_offload.worker.copiers import triton_kernels as copy_kernels
 
     rows = []
     shape = SHAPES["llama3-8b"]
@@ -387,15 +387,15 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
     """CUDA only: GB/s of DMA (1 to 16 streams) and Triton copies against run length.
 
     256 scattered blocks of 8 layers, one tensor per layer and one run per block: the
-    run length is the block's size. This sets `transfer_engine.DMA_MIN_RUN_BYTES`.
+    run length is the block's size. This sets `copiers/select.py`'s `DMA_MIN_RUN_BYTES`.
     """
-    from vllm_cpu_offload.worker import dma_copy
-    from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+    from vllm_cpu_offload.worker.copiers import dma
+    from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
     rows = []
     timer = Timer("cuda")
     n, layers, blocks = 256, 8, 1024
-    default_streams = dma_copy.NUM_STREAMS
+    default_streams = dma.NUM_STREAMS
     for run_bytes in (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10):
         caches = {
             f"l{i}": torch.ones(
@@ -411,9 +411,9 @@ def run_sweep(args: argparse.Namespace) -> list[dict]:
         dst = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
         dmas = {}
         for streams in (1, 4, 8, 16):
-            dma_copy.NUM_STREAMS = streams
-            dmas[f"dma{streams}"] = dma_copy.DmaBlockCopier(caches, host)
-        dma_copy.NUM_STREAMS = default_streams
+            dma.NUM_STREAMS = streams
+            dmas[f"dma{streams}"] = dma.DmaBlockCopier(caches, host)
+        dma.NUM_STREAMS = default_streams
         tri = TritonBlockCopier(caches, host)
         d_dev, h_dev = d.cuda(), h.cuda()
         for to_host in (True, False):
@@ -452,7 +452,7 @@ def queue_cost(
     d = torch.randperm(n)
     h = torch.randperm(n)
     for name, engine in engines.items():
-        copier = engine._copier
+        copier = engine.copiers.loads
         on_host = getattr(copier, "ids_on_host", False)
         dd, hh = (d, h) if on_host else (d.cuda(), h.cuda())
         names = list(caches)
@@ -519,7 +519,7 @@ def _measure_here(worker: object, options: dict) -> tuple[dict, list[dict]]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import transfer
 
-    from vllm_cpu_offload.worker.copy_threads import copy_cores
+    from vllm_cpu_offload.worker.copiers.copy_threads import copy_cores
 
     args = argparse.Namespace(**options)
     info = transfer.machine("cpu") | {

@@ -15,15 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-
-@dataclass(frozen=True)
-class BlockTransfer:
-    """One job: copy `device_block_ids[i]` <-> `host_block_ids[i]` for every layer."""
-
-    job_id: int
-    req_id: str
-    device_block_ids: list[int]
-    host_block_ids: list[int]
+from vllm_cpu_offload.block_transfer import BlockTransfer
 
 
 @dataclass

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from tests.kernels.conftest import ALL_LAYOUTS, DEVICE, block_bytes, make_kv_caches
-from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier, word_bytes
-from vllm_cpu_offload.worker.cpu_copy import TorchBlockCopier
+from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.worker.copiers.torch_views import TorchBlockCopier
+from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier, word_bytes
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
-from vllm_cpu_offload.worker.transfer_engine import TransferEngine, TransferJob
+from vllm_cpu_offload.worker.transfer_engine import TransferEngine
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 # (device ids, host ids): odd sizes, unsorted, with gaps, and a consecutive run.
@@ -147,7 +148,7 @@ def test_engine_with_triton_copier_reports_jobs():
     caches, _ = make_kv_caches("LBHNC", dtype=torch.bfloat16)
     host = HostBuffer.for_kv_caches(caches, 6)
     engine = TransferEngine(caches, host, copier=TritonBlockCopier(caches, host))
-    stores = [TransferJob(1, [0, 1], [0, 1]), TransferJob(2, [5], [4])]
+    stores = [BlockTransfer(1, [0, 1], [0, 1]), BlockTransfer(2, [5], [4])]
     for name in caches:
         engine.store_layer(name, stores)
     engine.finish_step()

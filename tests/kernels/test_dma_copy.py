@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from tests.kernels.conftest import ALL_LAYOUTS, DEVICE, block_bytes, make_kv_caches
-from vllm_cpu_offload.worker import dma_copy
-from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
+from vllm_cpu_offload.worker.copiers import dma
+from vllm_cpu_offload.worker.copiers.cuda_runtime import cuda_runtime
+from vllm_cpu_offload.worker.copiers.streams import merge_runs
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
 
@@ -17,10 +18,8 @@ def _tables(
 ):
     caches, block_dim = make_kv_caches(layout, num_layers=num_layers, device="cpu")
     host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
-    group = dma_copy._Group(
-        list(caches), list(caches.values()), host, max_pitch=1 << 31
-    )
-    tables = dma_copy._Tables(group, torch.tensor(device_ids), torch.tensor(host_ids))
+    group = dma._Group(list(caches), list(caches.values()), host, max_pitch=1 << 31)
+    tables = dma._Tables(group, torch.tensor(device_ids), torch.tensor(host_ids))
     return caches, block_dim, host, tables
 
 
@@ -49,7 +48,7 @@ def test_merge_joins_runs_that_continue_on_both_sides():
     # 2.
     device = torch.tensor([100, 110, 120, 130])
     host = torch.tensor([0, 10, 50, 60])
-    dsts, srcs, sizes = dma_copy.merge_runs(device, host, 10)
+    dsts, srcs, sizes = merge_runs(device, host, 10)
     assert dsts.tolist() == [100, 120]
     assert srcs.tolist() == [0, 50]
     assert sizes.tolist() == [20, 20]
@@ -86,9 +85,7 @@ def test_whole_blocks_go_pitched_where_layers_sit_at_one_distance(layout, pitche
     # Layer-compact layouts with one run per layer-block: a block is one 2D copy.
     caches, _ = make_kv_caches(layout, device="cpu")
     host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
-    group = dma_copy._Group(
-        list(caches), list(caches.values()), host, max_pitch=1 << 31
-    )
+    group = dma._Group(list(caches), list(caches.values()), host, max_pitch=1 << 31)
     assert (group.pitches is not None) is pitched
     if pitched:
         first, second = list(caches.values())[:2]
@@ -101,7 +98,7 @@ def test_whole_blocks_go_pitched_where_layers_sit_at_one_distance(layout, pitche
 def test_pitch_above_the_device_limit_falls_back_to_batches():
     caches, _ = make_kv_caches("LBHNC", device="cpu")
     host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
-    group = dma_copy._Group(list(caches), list(caches.values()), host, max_pitch=64)
+    group = dma._Group(list(caches), list(caches.values()), host, max_pitch=64)
     assert group.pitches is None
 
 
@@ -120,7 +117,7 @@ def test_dma_round_trip_byte_exact(layout, dtype):
         pytest.skip(cuda_runtime().why_unavailable)
     caches, block_dim = make_kv_caches(layout, dtype=dtype)
     host = HostBuffer.for_kv_caches(caches, num_host_blocks=6)
-    copier = dma_copy.DmaBlockCopier(caches, host)
+    copier = dma.DmaBlockCopier(caches, host)
     device_ids, host_ids = [6, 0, 3, 4], [1, 4, 0, 5]
     copier.copy(True, torch.tensor(device_ids), torch.tensor(host_ids))
     torch.cuda.synchronize()

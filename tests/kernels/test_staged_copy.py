@@ -7,13 +7,10 @@ import pytest
 import torch
 
 from tests.kernels.conftest import ALL_LAYOUTS, DEVICE, block_bytes, make_kv_caches
+from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.worker.copiers.staged import StagedBlockCopier
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
-from vllm_cpu_offload.worker.staged_copy import StagedBlockCopier
-from vllm_cpu_offload.worker.transfer_engine import (
-    FinishedJobs,
-    TransferEngine,
-    TransferJob,
-)
+from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
 NUM_BLOCKS, NUM_HOST = 13, 12
 
@@ -33,7 +30,7 @@ def _copier(
     host = HostBuffer.for_kv_caches(caches, NUM_HOST)
     host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))
     if DEVICE == "cuda":
-        from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
+        from vllm_cpu_offload.worker.copiers.cuda_runtime import cuda_runtime
 
         if not cuda_runtime().available:
             pytest.skip(cuda_runtime().why_unavailable)
@@ -130,11 +127,11 @@ def test_engine_with_a_staged_copier_reports_jobs():
     # A step through the transfer engine: one store and one load job, both land.
     caches, block_dim, host, copier = _copier("LBHNC", "dma", chunk_blocks=2)
     engine = TransferEngine(caches, host, copier=copier)
-    engine.start_loads([TransferJob(1, [8, 9, 10], [0, 1, 2])])
+    engine.start_loads([BlockTransfer(1, [8, 9, 10], [0, 1, 2])])
     for name in caches:
         engine.wait_for_layer_load(name)
     engine.finish_step()
-    stores = [TransferJob(2, [3, 4, 5], [9, 10, 11])]
+    stores = [BlockTransfer(2, [3, 4, 5], [9, 10, 11])]
     for name in caches:
         engine.store_layer(name, stores)
     engine.finish_step()

@@ -9,14 +9,11 @@ import threading
 import pytest
 import torch
 
-from vllm_cpu_offload.worker import copy_threads, cpu_copy
-from vllm_cpu_offload.worker.cpu_copy import TorchBlockCopier
+from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.worker.copiers import copy_threads, torch_views
+from vllm_cpu_offload.worker.copiers.torch_views import TorchBlockCopier
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
-from vllm_cpu_offload.worker.transfer_engine import (
-    FinishedJobs,
-    TransferEngine,
-    TransferJob,
-)
+from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
 NUM_LAYERS, NUM_BLOCKS, NUM_HOST_BLOCKS = 4, 64, 48
 HELPER_WAIT_S = 10.0
@@ -36,8 +33,8 @@ def _device_block(t: torch.Tensor, d: int) -> torch.Tensor:
 @pytest.fixture
 def split_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     # Tiny tensors: share every batch, and cut runs into 2-block pieces.
-    monkeypatch.setattr(cpu_copy, "SPLIT_MIN_BYTES", 0)
-    monkeypatch.setattr(cpu_copy, "PIECE_BYTES", 2 * NUM_LAYERS * 256)
+    monkeypatch.setattr(torch_views, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(torch_views, "PIECE_BYTES", 2 * NUM_LAYERS * 256)
 
 
 @pytest.fixture
@@ -45,7 +42,7 @@ def helper_takes_a_piece(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     # The calling thread copies nothing until a helper has taken a piece: both threads
     # work.
     helper_started = threading.Event()
-    copy = cpu_copy._copy
+    copy = torch_views._copy
 
     def gated_copy(*args: object) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -54,7 +51,7 @@ def helper_takes_a_piece(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
             helper_started.set()
         copy(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu_copy, "_copy", gated_copy)
+    monkeypatch.setattr(torch_views, "_copy", gated_copy)
     return helper_started
 
 
@@ -98,7 +95,7 @@ def test_error_in_a_helper_raises_after_all_threads_stop(
     copier = TorchBlockCopier(caches, host, threads=2)
     helper_started, active = threading.Event(), [0]
     lock = threading.Lock()
-    copy = cpu_copy._copy
+    copy = torch_views._copy
 
     def failing_copy(*args: object) -> None:
         with lock:
@@ -116,7 +113,7 @@ def test_error_in_a_helper_raises_after_all_threads_stop(
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(cpu_copy, "_copy", failing_copy)
+    monkeypatch.setattr(torch_views, "_copy", failing_copy)
     with pytest.raises(RuntimeError, match="injected copy failure"):
         copier.copy(True, list(range(40)), list(range(40)))
     assert active[0] == 0
@@ -135,7 +132,7 @@ def test_engine_fails_the_job_whose_shared_copy_raises(
     engine = TransferEngine(
         caches, host, copier=TorchBlockCopier(caches, host, threads=2)
     )
-    copy = cpu_copy._copy
+    copy = torch_views._copy
 
     def failing_copy(
         to_host: bool, dev: torch.Tensor, hv: torch.Tensor, d: int, h: int, n: int
@@ -144,10 +141,10 @@ def test_engine_fails_the_job_whose_shared_copy_raises(
             raise RuntimeError("injected copy failure")
         copy(to_host, dev, hv, d, h, n)
 
-    monkeypatch.setattr(cpu_copy, "_copy", failing_copy)
+    monkeypatch.setattr(torch_views, "_copy", failing_copy)
     jobs = [
-        TransferJob(1, list(range(30)), list(range(30))),
-        TransferJob(2, [30], [40]),
+        BlockTransfer(1, list(range(30)), list(range(30))),
+        BlockTransfer(2, [30], [40]),
     ]
     if direction == "store":
         engine.store_layer("model.layers.0.attn", jobs)
@@ -170,13 +167,13 @@ def test_small_batch_stays_on_the_calling_thread(
     caches = _caches()
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     threads: set[str] = set()
-    copy = cpu_copy._copy
+    copy = torch_views._copy
 
     def recording_copy(*args: object) -> None:
         threads.add(threading.current_thread().name)
         copy(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu_copy, "_copy", recording_copy)
+    monkeypatch.setattr(torch_views, "_copy", recording_copy)
     TorchBlockCopier(caches, host, threads=2).copy(True, [3, 9, 1], [0, 5, 7])
     assert threads == {threading.main_thread().name}
 
@@ -301,7 +298,7 @@ def test_copies_ignore_a_replaced_set_num_threads(
         raise AssertionError("torch.set_num_threads called")
 
     monkeypatch.setattr(torch, "set_num_threads", forbidden)
-    monkeypatch.setattr(cpu_copy, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(torch_views, "SPLIT_MIN_BYTES", 0)
     caches = _caches()
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     TorchBlockCopier(caches, host, threads=2).copy(

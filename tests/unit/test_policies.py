@@ -7,10 +7,13 @@ import pytest
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.policies import (
     POLICY_NAMES,
+    ARCPolicy,
     BlockList,
     HostBlock,
+    LIRSPolicy,
     LRUPolicy,
     PrefixAwarePolicy,
+    S3FIFOPolicy,
     make_policy,
 )
 from vllm_cpu_offload.scheduler.policies.prefix_aware import AdmissionDuel
@@ -39,8 +42,9 @@ def test_make_policy_rejects_unknown_names_listing_the_allowed() -> None:
 
 
 def test_registry_names_match_classes() -> None:
-    # The two built-in policies, one module each.
-    assert {LRUPolicy.name, PrefixAwarePolicy.name} == set(POLICY_NAMES)
+    # The built-in policies, one module each.
+    classes = [LRUPolicy, PrefixAwarePolicy, ARCPolicy, LIRSPolicy, S3FIFOPolicy]
+    assert {cls.name for cls in classes} == set(POLICY_NAMES)
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0])

@@ -189,8 +189,26 @@ class PrefixAwarePoolMachine(PoolMachine):
     chain_aware = True
 
 
+class ARCPoolMachine(PoolMachine):
+    policy_name = "arc"
+
+
+class LIRSPoolMachine(PoolMachine):
+    policy_name = "lirs"
+
+
+class S3FIFOPoolMachine(PoolMachine):
+    policy_name = "s3fifo"
+
+
 _SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestLRUPool = LRUPoolMachine.TestCase
 TestLRUPool.settings = _SETTINGS
 TestPrefixAwarePool = PrefixAwarePoolMachine.TestCase
 TestPrefixAwarePool.settings = _SETTINGS
+TestARCPool = ARCPoolMachine.TestCase
+TestARCPool.settings = _SETTINGS
+TestLIRSPool = LIRSPoolMachine.TestCase
+TestLIRSPool.settings = _SETTINGS
+TestS3FIFOPool = S3FIFOPoolMachine.TestCase
+TestS3FIFOPool.settings = _SETTINGS

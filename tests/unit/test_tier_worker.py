@@ -36,8 +36,8 @@ def test_store_then_load_round_trips_the_bytes_and_reports_both_jobs() -> None:
     # Store device block 5 into host block 2, load it back into device block 1.
     worker, caches = _worker()
     expected = {name: t[5].clone() for name, t in caches.items()}
-    _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, "a", [5], [2])]))
-    _step(worker, OffloadStepMetadata(loads=[BlockTransfer(2, "b", [1], [2])]))
+    _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, [5], [2], "a")]))
+    _step(worker, OffloadStepMetadata(loads=[BlockTransfer(2, [1], [2], "b")]))
     for name, t in caches.items():
         assert torch.equal(t[1], expected[name])
     report = worker.take_report()
@@ -57,8 +57,8 @@ def test_failed_load_reports_its_device_blocks_for_recompute() -> None:
     worker, _ = _worker()
     meta = OffloadStepMetadata(
         loads=[
-            BlockTransfer(7, "a", [3, 4], [0, HOST_BLOCKS + 5]),
-            BlockTransfer(8, "b", [6], [1]),
+            BlockTransfer(7, [3, 4], [0, HOST_BLOCKS + 5], "a"),
+            BlockTransfer(8, [6], [1], "b"),
         ]
     )
     _step(worker, meta)
@@ -74,7 +74,7 @@ def test_delayed_free_is_reported_once_the_request_has_no_store_left() -> None:
     # done.
     worker, _ = _worker()
     assert (
-        _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, "a", [2], [0])]))
+        _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, [2], [0], "a")]))
         is None
     )
     assert _step(worker, OffloadStepMetadata(delayed_free_req_ids=["a"])) == {"a"}
@@ -90,8 +90,8 @@ def test_injected_faults_fail_the_chosen_share_uncopied(
     worker, caches = _worker()
     before = {name: t.clone() for name, t in caches.items()}
     meta = OffloadStepMetadata(
-        stores=[BlockTransfer(1, "a", [5], [2])],
-        loads=[BlockTransfer(2, "b", [1], [3])],
+        stores=[BlockTransfer(1, [5], [2], "a")],
+        loads=[BlockTransfer(2, [1], [3], "b")],
     )
     _step(worker, meta)
     assert all(torch.equal(t, before[name]) for name, t in caches.items())

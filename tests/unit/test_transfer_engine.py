@@ -9,14 +9,11 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from vllm_cpu_offload.worker.cpu_copy import TorchBlockCopier, runs_of
+from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.worker.copiers.base import BlockCopier
+from vllm_cpu_offload.worker.copiers.torch_views import TorchBlockCopier, runs_of
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
-from vllm_cpu_offload.worker.transfer_engine import (
-    BlockCopier,
-    FinishedJobs,
-    TransferEngine,
-    TransferJob,
-)
+from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
 NUM_LAYERS, NUM_BLOCKS, NUM_HOST_BLOCKS = 3, 8, 6
 
@@ -45,7 +42,7 @@ def _device_block(t: torch.Tensor, d: int) -> torch.Tensor:
 
 
 def _store_step(
-    engine: TransferEngine, names: Sequence[str], jobs: list[TransferJob]
+    engine: TransferEngine, names: Sequence[str], jobs: list[BlockTransfer]
 ) -> None:
     for name in names:
         engine.store_layer(name, jobs)
@@ -57,8 +54,8 @@ def test_store_step_reports_jobs_and_copies_every_layer() -> None:
     caches = _caches()
     engine = _engine(caches)
     jobs = [
-        TransferJob(7, [3, 4], [0, 1]),
-        TransferJob(8, torch.tensor([6]), torch.tensor([5])),
+        BlockTransfer(7, [3, 4], [0, 1]),
+        BlockTransfer(8, torch.tensor([6]), torch.tensor([5])),
     ]
     _store_step(engine, list(caches), jobs)
     assert engine.poll_finished() == FinishedJobs(stores={7, 8})
@@ -72,7 +69,7 @@ def test_layers_without_a_hook_are_stored_at_finish_step() -> None:
     # Only one layer's hook ran (e.g. a captured graph): finish_step stores the rest.
     caches = _caches()
     engine = _engine(caches)
-    _store_step(engine, ["model.layers.0.attn"], [TransferJob(1, [2], [3])])
+    _store_step(engine, ["model.layers.0.attn"], [BlockTransfer(1, [2], [3])])
     assert engine.poll_finished().stores == {1}
     for name, t in caches.items():
         assert torch.equal(_host_block(engine, name, 3), _device_block(t, 2))
@@ -85,7 +82,7 @@ def test_loads_are_synchronous_on_cpu() -> None:
     engine.host.tensor.copy_(
         torch.randint(0, 256, engine.host.tensor.shape, dtype=torch.uint8)
     )
-    engine.start_loads([TransferJob(3, [5, 1], [2, 4])])
+    engine.start_loads([BlockTransfer(3, [5, 1], [2, 4])])
     for name, t in caches.items():
         engine.wait_for_layer_load(name)
         assert torch.equal(_device_block(t, 5), _host_block(engine, name, 2))
@@ -99,11 +96,11 @@ def test_bad_ids_fail_only_their_job() -> None:
     caches = _caches()
     engine = _engine(caches)
     jobs = [
-        TransferJob(1, [NUM_BLOCKS], [0]),
-        TransferJob(2, [0], [NUM_HOST_BLOCKS]),
-        TransferJob(3, [0, 1], [0]),
-        TransferJob(4, [-1], [0]),
-        TransferJob(5, [1], [1]),
+        BlockTransfer(1, [NUM_BLOCKS], [0]),
+        BlockTransfer(2, [0], [NUM_HOST_BLOCKS]),
+        BlockTransfer(3, [0, 1], [0]),
+        BlockTransfer(4, [-1], [0]),
+        BlockTransfer(5, [1], [1]),
     ]
     _store_step(engine, list(caches), jobs)
     assert engine.poll_finished() == FinishedJobs(stores={5}, failed={1, 2, 3, 4})
@@ -136,9 +133,9 @@ def test_a_raising_copy_fails_its_job_not_the_step(direction: str) -> None:
         caches, host, copier=_FailOn(TorchBlockCopier(caches, host), 4)
     )
     jobs = [
-        TransferJob(1, [0], [0]),
-        TransferJob(2, [4], [1]),
-        TransferJob(3, [5], [2]),
+        BlockTransfer(1, [0], [0]),
+        BlockTransfer(2, [4], [1]),
+        BlockTransfer(3, [5], [2]),
     ]
     if direction == "store":
         _store_step(engine, list(caches), jobs)
@@ -155,9 +152,9 @@ def test_shared_kv_cache_is_copied_once() -> None:
     caches["model.layers.3.attn"] = caches["model.layers.0.attn"]
     engine = _engine(caches)
     assert len(engine.host.slot_offsets) == NUM_LAYERS
-    engine.start_loads([TransferJob(1, [0], [0])])
+    engine.start_loads([BlockTransfer(1, [0], [0])])
     engine.wait_for_layer_load("model.layers.3.attn")
-    _store_step(engine, list(caches), [TransferJob(2, [1], [1])])
+    _store_step(engine, list(caches), [BlockTransfer(2, [1], [1])])
     assert engine.poll_finished() == FinishedJobs(stores={2}, loads={1})
 
 
@@ -220,12 +217,12 @@ def _cuda_copier(
     kind: str, caches: dict[str, torch.Tensor], host: HostBuffer
 ) -> BlockCopier:
     if kind == "triton":
-        from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+        from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
         return TritonBlockCopier(caches, host)
-    from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
-    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
-    from vllm_cpu_offload.worker.staged_copy import StagedBlockCopier
+    from vllm_cpu_offload.worker.copiers.cuda_runtime import cuda_runtime
+    from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
+    from vllm_cpu_offload.worker.copiers.staged import StagedBlockCopier
 
     if not cuda_runtime().available:
         pytest.skip(cuda_runtime().why_unavailable)
@@ -246,8 +243,8 @@ def test_cuda_step_loads_layer_by_layer_and_stores_async(kind: str) -> None:
     engine.host.tensor.copy_(
         torch.randint(0, 256, engine.host.tensor.shape, dtype=torch.uint8)
     )
-    engine.start_loads([TransferJob(1, [5, 1], [2, 4])])
-    stores = [TransferJob(2, [3], [0])]
+    engine.start_loads([BlockTransfer(1, [5, 1], [2, 4])])
+    stores = [BlockTransfer(2, [3], [0])]
     for name, t in caches.items():
         engine.wait_for_layer_load(name)
         t[3].add_(1)  # "compute" writes this layer's KV, then its store is queued
@@ -265,13 +262,13 @@ def test_cuda_step_loads_layer_by_layer_and_stores_async(kind: str) -> None:
 def test_cuda_failed_launch_is_reported() -> None:
     caches = _caches("cuda")
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
-    from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+    from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
     engine = TransferEngine(
         caches, host, copier=_FailOn(TritonBlockCopier(caches, host), 4)
     )
-    engine.start_loads([TransferJob(1, [4], [0])])
-    _store_step(engine, list(caches), [TransferJob(2, [1], [1])])
+    engine.start_loads([BlockTransfer(1, [4], [0])])
+    _store_step(engine, list(caches), [BlockTransfer(2, [1], [1])])
     engine.wait_all()
     assert engine.poll_finished() == FinishedJobs(stores={2}, failed={1})
 
@@ -280,34 +277,38 @@ def test_cuda_failed_launch_is_reported() -> None:
 @cuda
 def test_cuda_backend_choice() -> None:
     # "auto": loads on the kernels; stores on the copy engines once runs reach 64 KiB.
-    from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
-    from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
-    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
+    from vllm_cpu_offload.worker.copiers.cuda_runtime import cuda_runtime
+    from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
+    from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
     dma = DmaBlockCopier if cuda_runtime().available else TritonBlockCopier
     caches = _caches("cuda")
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     auto = TransferEngine(caches, host)
-    assert isinstance(auto._copier, TritonBlockCopier)
-    assert isinstance(auto._store_copier, TritonBlockCopier)
+    assert isinstance(auto.copiers.loads, TritonBlockCopier)
+    assert isinstance(auto.copiers.stores, TritonBlockCopier)
     triton = TransferEngine(caches, host, backend="triton")
-    assert isinstance(triton._store_copier, TritonBlockCopier)
+    assert isinstance(triton.copiers.stores, TritonBlockCopier)
     forced = TransferEngine(caches, host, backend="dma")
-    assert isinstance(forced._copier, dma) and isinstance(forced._store_copier, dma)
-    assert forced._copier is not forced._store_copier  # loads never queue behind stores
+    assert isinstance(forced.copiers.loads, dma) and isinstance(
+        forced.copiers.stores, dma
+    )
+    assert (
+        forced.copiers.loads is not forced.copiers.stores
+    )  # loads never queue behind stores
     if cuda_runtime().available:
-        from vllm_cpu_offload.worker.staged_copy import StagedBlockCopier
+        from vllm_cpu_offload.worker.copiers.staged import StagedBlockCopier
 
         staged = TransferEngine(caches, host, backend="staged")
-        assert isinstance(staged._copier, StagedBlockCopier)
-        assert staged._store_copier is staged._copier
+        assert isinstance(staged.copiers.loads, StagedBlockCopier)
+        assert staged.copiers.stores is staged.copiers.loads
     # 64 KiB per layer-block (8 heads x 16 tokens x 256 bf16 values).
     raw = torch.randn(2, 4, 8, 16, 256, device="cuda").to(torch.bfloat16)
     big = {f"layer.{i}": raw[i] for i in range(2)}
     big_host = HostBuffer.for_kv_caches(big, 3)
     auto = TransferEngine(big, big_host)
-    assert isinstance(auto._copier, TritonBlockCopier)
-    assert isinstance(auto._store_copier, dma)
+    assert isinstance(auto.copiers.loads, TritonBlockCopier)
+    assert isinstance(auto.copiers.stores, dma)
 
 
 @pytest.mark.cuda
@@ -319,7 +320,7 @@ def test_cuda_dma_stores_wait_for_the_step_and_land() -> None:
     caches = {f"layer.{i}": raw[i] for i in range(3)}
     host = HostBuffer.for_kv_caches(caches, 4)
     engine = TransferEngine(caches, host)
-    stores = [TransferJob(5, [4, 1], [2, 0])]
+    stores = [BlockTransfer(5, [4, 1], [2, 0])]
     for name, t in caches.items():
         t[4].mul_(3)  # "compute" writes the layer's KV, then the layer's save hook runs
         engine.store_layer(name, stores)
@@ -343,7 +344,7 @@ def test_cuda_shared_tensor_is_stored_after_its_last_writer() -> None:
     host = HostBuffer.for_kv_caches(shared, NUM_HOST_BLOCKS)
     host.tensor.zero_()
     engine = TransferEngine(shared, host, copier=_cuda_copier("triton", caches, host))
-    stores = [TransferJob(2, [3, 6], [0, 1])]
+    stores = [BlockTransfer(2, [3, 6], [0, 1])]
     for name in names:
         caches[name][3].add_(1)  # the full group's layer writes block 3
         engine.store_layer(name, stores)
@@ -377,7 +378,7 @@ def test_cuda_fenced_step_waits_for_the_stores_still_running() -> None:
     torch.cuda._sleep(1)
     torch.empty_like(caches[next(iter(caches))][4]).zero_()
     torch.cuda.synchronize()
-    stores = [TransferJob(7, [4], [2])]
+    stores = [BlockTransfer(7, [4], [2])]
     for name in caches:
         engine.store_layer(name, stores)
     engine.finish_step()

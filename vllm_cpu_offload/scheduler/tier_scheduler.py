@@ -34,11 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from vllm_cpu_offload.metadata import (
-    BlockTransfer,
-    OffloadStepMetadata,
-    OffloadWorkerReport,
-)
+from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.scheduler.block_pool import (
     BlockKey,
     BlockState,
@@ -63,7 +60,10 @@ NULL_BLOCK_ID = 0
 
 
 @dataclass
-class _Job:
+class _JobInFlight:
+    """What the scheduler half settles when every worker has reported a job: the keys
+    to unpin (load) or to make visible or free (store)."""
+
     kind: Literal["load", "store"]
     req_id: str
     keys: list[BlockKey]
@@ -111,7 +111,7 @@ class HostTierScheduler:
         self.stats = TierStats(block_bytes=block_bytes)
         self._kv_cache_manager: Any = None
         self._requests: dict[str, _RequestState] = {}
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, _JobInFlight] = {}
         self._reports: Counter[int] = Counter()
         self._next_job_id = 0
         self._step_loads: list[BlockTransfer] = []
@@ -237,7 +237,7 @@ class HostTierScheduler:
             slots += [host_id * k + j % k for j in span]
         job = self._new_job("load", request.request_id, keys)
         self._step_loads.append(
-            BlockTransfer(job, request.request_id, device_ids, slots)
+            BlockTransfer(job, device_ids, slots, req_id=request.request_id)
         )
         # The loaded blocks are in the host tier already: never store them again.
         state.planned_upto = max(state.planned_upto, end)
@@ -327,7 +327,7 @@ class HostTierScheduler:
         job = self._new_job("store", request.request_id, [key for key, _ in allocated])
         self._jobs[job].stored = stored
         state.store_jobs.add(job)
-        return BlockTransfer(job, request.request_id, device_ids, slots)
+        return BlockTransfer(job, device_ids, slots, req_id=request.request_id)
 
     # ---- completions
     # -------------------------------------------------------------------
@@ -426,7 +426,7 @@ class HostTierScheduler:
     ) -> int:
         job_id = self._next_job_id
         self._next_job_id += 1
-        self._jobs[job_id] = _Job(kind, req_id, keys)
+        self._jobs[job_id] = _JobInFlight(kind, req_id, keys)
         return job_id
 
     @property

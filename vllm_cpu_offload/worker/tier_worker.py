@@ -11,35 +11,28 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 
-from vllm_cpu_offload.metadata import (
-    BlockTransfer,
-    OffloadStepMetadata,
-    OffloadWorkerReport,
-)
+from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadStats
 from vllm_cpu_offload.persist.data_file import TierDataFile
+from vllm_cpu_offload.worker.copiers.select import Candidate
 from vllm_cpu_offload.worker.fault_injection import FaultInjector
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
-from vllm_cpu_offload.worker.transfer_engine import (
-    FinishedJobs,
-    TransferEngine,
-    TransferJob,
-)
+from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
 logger = logging.getLogger(__name__)
 
 
-def _job(transfer: BlockTransfer) -> TransferJob:
-    return TransferJob(
-        transfer.job_id, transfer.device_block_ids, transfer.host_block_ids
-    )
-
-
 class HostTierWorker:
-    """Drives the transfer engine through one engine step at a time."""
+    """Drives the transfer engine through one engine step at a time.
+
+    `copier_candidates` replaces the platform's copier choice (tests: the start-up
+    check of CUDA's copiers, run on any platform; `copiers/select.py`).
+    """
 
     def __init__(
         self,
@@ -49,20 +42,21 @@ class HostTierWorker:
         data_file: TierDataFile | None = None,
         copy_backend: str = "auto",
         fence_stores: bool = False,
+        copier_candidates: Sequence[Candidate] | None = None,
     ) -> None:
         self.num_host_blocks = num_host_blocks
         self.fence_stores = fence_stores
         self.copy_backend = copy_backend
+        self.copier_candidates = copier_candidates
         self.num_device_blocks = num_device_blocks
         # With --swap-space-path the host buffer is this file, mapped; else anonymous
         # memory.
         self.data_file = data_file
         self.engine: TransferEngine | None = None
-        self._step_stores: list[TransferJob] = []
+        self._step_stores: list[BlockTransfer] = []
         self._store_req: dict[int, str] = {}  # store job in flight -> request
-        self._load_device_blocks: dict[
-            int, list[int]
-        ] = {}  # load in flight -> device ids
+        # load in flight -> its device block ids
+        self._load_device_blocks: dict[int, Sequence[int]] = {}
         # request -> store jobs in flight
         self._stores_in_flight: Counter[str] = Counter()
         self._awaiting_free: set[str] = set()  # finished requests the scheduler holds
@@ -82,7 +76,11 @@ class HostTierWorker:
             data_file=self.data_file,
         )
         self.engine = TransferEngine(
-            kv_caches, host, backend=self.copy_backend, fence_stores=self.fence_stores
+            kv_caches,
+            host,
+            backend=self.copy_backend,
+            candidates=self.copier_candidates,
+            fence_stores=self.fence_stores,
         )
 
     def _engine(self) -> TransferEngine:
@@ -104,9 +102,7 @@ class HostTierWorker:
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
-        self._step_stores = [
-            _job(t) for t in self._without_injected_faults(metadata.stores)
-        ]
+        self._step_stores = self._without_injected_faults(metadata.stores)
 
     def start_loads(self, metadata: OffloadStepMetadata) -> None:
         """Queues the step's loads; vLLM calls this before the forward when there are
@@ -115,7 +111,7 @@ class HostTierWorker:
             return
         for t in metadata.loads:
             self._load_device_blocks[t.job_id] = t.device_block_ids
-        loads = [_job(t) for t in self._without_injected_faults(metadata.loads)]
+        loads = self._without_injected_faults(metadata.loads)
         start = time.perf_counter()
         self._engine().start_loads(loads)
         self._load_seconds += time.perf_counter() - start

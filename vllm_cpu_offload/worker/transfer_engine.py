@@ -1,16 +1,22 @@
 """Moves KV blocks between the device caches and the host buffer, one engine step at a
-time.
+time. Which copier moves them is `copiers/select.py`'s choice; this module only moves
+jobs through a step.
 
 On CUDA, loads run on a high-priority load stream and stores on a store stream, with
 events so that compute waits only for what it reads and never for a store:
 
-    start_loads(jobs) load stream: wait for compute so far, then one launch per layer,
-                              each followed by that layer's event
-    wait_for_layer_load(l) compute stream waits for layer l's event store_layer(l, jobs)
-    store stream waits for compute so far, then one launch for layer l finish_step()
-    compute waits for any load not yet waited for; layers that had
-                              no store hook are stored; one completion event per stream
-    poll_finished() event.query(): jobs whose completion event fired, never blocks
+    call                    what it queues
+    ----------------------  -----------------------------------------------------------
+    start_loads(jobs)       load stream: wait for compute so far, then one launch per
+                            layer, each followed by that layer's event
+    wait_for_layer_load(l)  compute stream waits for layer l's event
+    store_layer(l, jobs)    store stream waits for compute so far, then one launch for
+                            layer l
+    finish_step()           compute waits for any load not yet waited for; layers that
+                            had no store hook are stored; one completion event per
+                            stream
+    poll_finished()         event.query(): jobs whose completion event fired; never
+                            blocks
 
 On the CPU platform the same calls copy synchronously (loads at `start_loads`, this
 step's stores all at once in `finish_step`), and everything is finished when
@@ -25,36 +31,28 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from vllm_cpu_offload.worker.cpu_copy import TorchBlockCopier
+from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.worker.copiers.base import (
+    BlockCopier,
+    ids_on_host,
+    loads_whole_blocks,
+)
+from vllm_cpu_offload.worker.copiers.select import (
+    Candidate,
+    Copiers,
+    select_copiers,
+)
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
 
 logger = logging.getLogger(__name__)
 
-# With backend "auto", stores go to the copy engines when every run is at least this
-# long, else to the Triton kernels. Measured on an H100 (`benchmarks/transfer.py
-# --run-sweep`): over 8 streams the copy engines match the kernel from 32 KiB runs up
-# (47-50 GB/s) and beat it from 128 KiB (52 vs 40-45), but collapse below 32 KiB (3-14
-# GB/s); at 32 KiB a scattered batch also costs the host a microsecond per 32 KiB. Whole
-# blocks of a layer-compact layout go as one pitched copy each, whatever the run.
-DMA_MIN_RUN_BYTES = 64 << 10
-
 Ids = Sequence[int] | torch.Tensor
-
-
-@dataclass(frozen=True)
-class TransferJob:
-    """Copy `device_block_ids[i]` <-> `host_block_ids[i]` for every layer."""
-
-    job_id: int
-    device_block_ids: Ids
-    host_block_ids: Ids
 
 
 @dataclass
@@ -70,27 +68,10 @@ class FinishedJobs:
         return bool(self.stores or self.loads or self.failed)
 
 
-class BlockCopier(Protocol):
-    """Copies pairs of (device block, host block) for some layers (all when `layers` is
-    None).
-
-    Block ids come as int64 tensors on the caches' device, or on the host where the
-    copier has a true `ids_on_host` attribute.
-    """
-
-    def copy(
-        self,
-        to_host: bool,
-        device_ids: torch.Tensor,
-        host_ids: torch.Tensor,
-        layers: Sequence[str] | None = None,
-    ) -> None: ...
-
-
 @dataclass
 class _Batch:
-    """The valid jobs of one call, with their ids on the host (pinned on CUDA) and, once
-    a kernel needs them, on the device."""
+    """The valid jobs of one call joined into one id list, on the host (pinned on CUDA)
+    and, once a kernel needs them, on the device; one copier call serves them all."""
 
     job_ids: list[int]
     sizes: list[int]  # blocks of each job, in order
@@ -119,19 +100,11 @@ class TransferEngine:
         kv_caches: layer name -> device KV cache, as vLLM registers them. Names that
             view the same tensor (KV sharing) are copied once.
         host_buffer: built for the same caches (`HostBuffer.for_kv_caches`).
-        copier: the block copier for loads and stores; by default chosen by `backend`.
-        store_copier: a different copier for stores, if any.
-        backend: on CUDA, "triton" (kernels both ways), "dma" (copy engines both ways),
-            "staged" (whole blocks through device staging, `staged_copy.py`; loads of
-            every layer in one call, so a layer's wait covers the whole load) or "auto":
-            loads on the kernels (one cheap launch per layer, inside the step), stores
-            on the copy engines where every run is at least `DMA_MIN_RUN_BYTES` (they
-            leave the forward's SMs alone), else on the kernels. Torch views on CPU.
-        layerwise_stores: on CUDA, copy each layer as soon as its hook runs (stores
-            finish early, one launch per layer). False defers them to `finish_step`: one
-            launch for all layers, later completion. The CPU path and DMA stores always
-            defer: a DMA batch costs the host about a microsecond per run, which
-            `finish_step` pays while the device still runs the step's forward.
+        copier: one copier for loads and stores; by default `select_copiers` picks
+            each direction's by `backend`.
+        backend: "auto", "triton", "dma" or "staged" (`copiers/select.py`).
+        candidates: copiers to choose from instead of the platform's, each checked at
+            start-up as on CUDA (`select_copiers`).
         fence_stores: on CUDA, each step's compute first waits for the stores still
             running. Needed when vLLM may reuse a device block of a running request in
             the next step (a sliding-window group releases the blocks that leave its
@@ -145,9 +118,8 @@ class TransferEngine:
         host_buffer: HostBuffer,
         *,
         copier: BlockCopier | None = None,
-        store_copier: BlockCopier | None = None,
         backend: str = "auto",
-        layerwise_stores: bool = True,
+        candidates: Sequence[Candidate] | None = None,
         fence_stores: bool = False,
     ) -> None:
         if not kv_caches:
@@ -173,17 +145,17 @@ class TransferEngine:
         )
         self.device = next(iter(caches.values())).device
         self.use_streams = self.device.type == "cuda"
-        if copier is None:
-            copier, default_store = _default_copiers(
-                caches, host_buffer, self.device, backend
-            )
-            store_copier = store_copier or default_store
-        self._copier: BlockCopier = copier
-        self._store_copier: BlockCopier = store_copier or copier
-        self._layerwise_stores = (
-            self.use_streams
-            and layerwise_stores
-            and not _ids_on_host(self._store_copier)
+        self.copiers = (
+            Copiers(copier, copier)
+            if copier is not None
+            else select_copiers(caches, host_buffer, backend, candidates=candidates)
+        )
+        # On CUDA each layer's stores go as soon as its hook runs (they finish early).
+        # Copiers that read ids on the host (copy engines) defer to `finish_step`: a
+        # DMA batch costs the host about a microsecond per run, which `finish_step`
+        # pays while the device still runs the step's forward.
+        self._layerwise_stores = self.use_streams and not ids_on_host(
+            self.copiers.stores
         )
 
         self._failed: set[int] = set()
@@ -210,7 +182,7 @@ class TransferEngine:
         ):
             torch.cuda.current_stream(self.device).wait_stream(self._store_stream)
 
-    def start_loads(self, jobs: Sequence[TransferJob]) -> None:
+    def start_loads(self, jobs: Sequence[BlockTransfer]) -> None:
         """Queues every layer's host->device copy of `jobs` (CPU: copies them now)."""
         batch = self._batch(jobs)
         if batch is None:
@@ -224,15 +196,15 @@ class TransferEngine:
         with torch.cuda.stream(self._load_stream):
             # Blocks handed to these loads may still be read by earlier compute work.
             self._load_stream.wait_stream(compute)
-            if getattr(self._copier, "whole_block_loads", False):
+            if loads_whole_blocks(self.copiers.loads):
                 # One call for every layer; each layer's event then marks the whole
                 # load.
-                if self._launch(self._copier, False, batch, None):
+                if self._launch(self.copiers.loads, False, batch, None):
                     for name in self._layers:
                         self._load_events[name].record(self._load_stream)
                 return
             for name in self._layers:
-                if not self._launch(self._copier, False, batch, [name]):
+                if not self._launch(self.copiers.loads, False, batch, [name]):
                     break
                 self._load_events[name].record(self._load_stream)
 
@@ -245,7 +217,7 @@ class TransferEngine:
         self._load_waited.add(name)
         torch.cuda.current_stream(self.device).wait_event(self._load_events[name])
 
-    def store_layer(self, layer_name: str, jobs: Sequence[TransferJob]) -> None:
+    def store_layer(self, layer_name: str, jobs: Sequence[BlockTransfer]) -> None:
         """Queues this layer's device->host copy of `jobs` behind the compute written so
         far.
 
@@ -264,7 +236,7 @@ class TransferEngine:
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._store_stream):
             self._store_stream.wait_stream(compute)
-            self._launch(self._store_copier, True, batch, [name])
+            self._launch(self.copiers.stores, True, batch, [name])
 
     def finish_step(self) -> None:
         """Ends the step: waits compute on unwaited loads, completes this step's
@@ -289,7 +261,7 @@ class TransferEngine:
                 with torch.cuda.stream(self._store_stream):
                     self._store_stream.wait_stream(compute)
                     layers = None if len(rest) == len(self._layers) else rest
-                    self._launch(self._store_copier, True, batch, layers)
+                    self._launch(self.copiers.stores, True, batch, layers)
             self._track(self._store_stream, batch, is_store=True)
 
     def poll_finished(self) -> FinishedJobs:
@@ -335,7 +307,8 @@ class TransferEngine:
     ) -> None:
         """Copies the pairs for `layers` (default all) on the current stream,
         unchecked."""
-        on_device = self.use_streams and not _ids_on_host(self._copier)
+        copier = self._copier_for(to_host)
+        on_device = self.use_streams and not ids_on_host(copier)
         where = self.device if on_device else torch.device("cpu")
         d = torch.as_tensor(device_ids, dtype=torch.int64).to(where)
         h = torch.as_tensor(host_ids, dtype=torch.int64).to(where)
@@ -344,11 +317,14 @@ class TransferEngine:
             if layers is None
             else list(dict.fromkeys(self._canonical[n] for n in layers))
         )
-        self._copier.copy(to_host, d, h, names)
+        copier.copy(to_host, d, h, names)
 
     # ---- internals ----
 
-    def _store_batch(self, jobs: Sequence[TransferJob]) -> _Batch | None:
+    def _copier_for(self, to_host: bool) -> BlockCopier:
+        return self.copiers.stores if to_host else self.copiers.loads
+
+    def _store_batch(self, jobs: Sequence[BlockTransfer]) -> _Batch | None:
         if not jobs:
             return None
         key = tuple(j.job_id for j in jobs)
@@ -359,7 +335,7 @@ class TransferEngine:
             self._stores[key] = batch
         return self._stores[key]
 
-    def _batch(self, jobs: Sequence[TransferJob]) -> _Batch | None:
+    def _batch(self, jobs: Sequence[BlockTransfer]) -> _Batch | None:
         """Validates the jobs (bad ones fail) and joins the valid ones' ids.
         O(blocks)."""
         job_ids: list[int] = []
@@ -400,7 +376,7 @@ class TransferEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's ids where `copier` reads them; moved on the current (side) stream
         once."""
-        if not self.use_streams or _ids_on_host(copier):
+        if not self.use_streams or ids_on_host(copier):
             return batch.device_ids, batch.host_ids
         if batch.on_device is None:
             batch.on_device = (
@@ -429,7 +405,9 @@ class TransferEngine:
         """CPU: all layers at once; if that raises, job by job so only the bad ones
         fail."""
         try:
-            self._copier.copy(to_host, batch.device_ids, batch.host_ids, None)
+            self._copier_for(to_host).copy(
+                to_host, batch.device_ids, batch.host_ids, None
+            )
             return
         except Exception:
             logger.exception(
@@ -442,7 +420,7 @@ class TransferEngine:
             h = batch.host_ids[offset : offset + n]
             offset += n
             try:
-                self._copier.copy(to_host, d, h, None)
+                self._copier_for(to_host).copy(to_host, d, h, None)
                 ok.append(job_id)
             except Exception:
                 logger.exception("copy of job %d failed", job_id)
@@ -457,112 +435,3 @@ class TransferEngine:
         event = torch.cuda.Event()
         event.record(stream)
         self._pending.append(_Pending(event, batch.job_ids, is_store, [batch]))
-
-
-def _ids_on_host(copier: BlockCopier) -> bool:
-    return bool(getattr(copier, "ids_on_host", False))
-
-
-def _default_copiers(
-    caches: Mapping[str, torch.Tensor],
-    host: HostBuffer,
-    device: torch.device,
-    backend: str,
-) -> tuple[BlockCopier, BlockCopier]:
-    """(load copier, store copier) for `backend`; see `TransferEngine`."""
-    if device.type != "cuda":
-        copier = TorchBlockCopier(caches, host)
-        return copier, copier
-    if backend == "staged":
-        staged = _checked(
-            caches, host, [("staged", lambda: _staged_copier(caches, host))]
-        )
-        if staged is not None:
-            return staged, staged
-    shortest_run = min(host.layouts[n].chunk_bytes for n in caches)
-    dma_stores = backend == "dma" or (
-        backend == "auto" and shortest_run >= DMA_MIN_RUN_BYTES
-    )
-    loads = _cuda_copier(caches, host, dma=backend == "dma")
-    if not dma_stores:
-        return loads, loads
-    # A copier of its own even when both are DMA: a DMA copier forks over its own
-    # streams, and a load queued there would wait behind the stores queued before it.
-    return loads, _cuda_copier(caches, host, dma=True)
-
-
-def _cuda_copier(
-    caches: Mapping[str, torch.Tensor], host: HostBuffer, *, dma: bool
-) -> BlockCopier:
-    """The copy engines if asked for and they work, else Triton kernels, else torch
-    copies."""
-    candidates: list[tuple[str, Callable[[], BlockCopier]]] = []
-    if dma:
-        candidates.append(("DMA", lambda: _dma_copier(caches, host)))
-    candidates.append(("Triton", lambda: _triton_copier(caches, host)))
-    copier = _checked(caches, host, candidates)
-    if copier is not None:
-        return copier
-    logger.warning(
-        "KV offload copies fall back to torch copies (slower, still correct)"
-    )
-    return TorchBlockCopier(caches, host)
-
-
-def _checked(
-    caches: Mapping[str, torch.Tensor],
-    host: HostBuffer,
-    candidates: Sequence[tuple[str, Callable[[], BlockCopier]]],
-) -> BlockCopier | None:
-    """The first candidate that can be made and passes the start-up check, if any."""
-    for name, make in candidates:
-        try:
-            copier = make()
-            if host.pinned and _stores_block_zero(copier, caches, host):
-                logger.info("KV offload copies use %s", name)
-                return copier
-            logger.warning("%s block copies failed their start-up check", name)
-        except Exception as e:
-            logger.info("%s block copies are unavailable: %s", name, e)
-    return None
-
-
-def _dma_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
-    from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
-
-    return DmaBlockCopier(caches, host)
-
-
-def _staged_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
-    from vllm_cpu_offload.worker.staged_copy import StagedBlockCopier
-
-    try:
-        return StagedBlockCopier(caches, host, gather="dma")
-    except RuntimeError:  # no layer-compact layout: gather with the kernels
-        return StagedBlockCopier(caches, host, gather="kernel")
-
-
-def _triton_copier(caches: Mapping[str, torch.Tensor], host: HostBuffer) -> BlockCopier:
-    from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
-
-    return TritonBlockCopier(caches, host)
-
-
-def _stores_block_zero(
-    copier: BlockCopier, caches: Mapping[str, torch.Tensor], host: HostBuffer
-) -> bool:
-    """Self-check at start-up: the copier writes host memory where the layout says.
-
-    Kernels address pinned host memory through its host pointer, which needs a GPU and
-    platform with unified addressing; this catches one without it before any real job.
-    Copies every layer, the way stores go. Overwrites host block 0, which holds nothing
-    yet.
-    """
-    name, t = next(iter(caches.items()))
-    where = "cpu" if _ids_on_host(copier) else t.device
-    zero = torch.zeros(1, dtype=torch.int64, device=where)
-    host.tensor[0].fill_(0)
-    copier.copy(True, zero, zero, None)
-    torch.cuda.synchronize(t.device)
-    expected = host.layouts[name].block_view(t, 0).cpu().reshape(-1)
-    return torch.equal(host.layer_view(name)[0], expected)

@@ -3,9 +3,12 @@ name."""
 
 from __future__ import annotations
 
+from .arc import ARCPolicy
 from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
+from .lirs import LIRSPolicy
 from .lru import LRUPolicy
 from .prefix_aware import PrefixAwarePolicy
+from .s3fifo import S3FIFOPolicy
 from .registry import (
     BUILTIN_POLICIES,
     ENTRY_POINT_GROUP,
@@ -28,6 +31,7 @@ def make_policy(name: str, num_blocks: int) -> EvictionPolicy:
 
 
 __all__ = [
+    "ARCPolicy",
     "BUILTIN_POLICIES",
     "ENTRY_POINT_GROUP",
     "POLICY_NAMES",
@@ -36,8 +40,10 @@ __all__ = [
     "BlockState",
     "EvictionPolicy",
     "HostBlock",
+    "LIRSPolicy",
     "LRUPolicy",
     "PrefixAwarePolicy",
+    "S3FIFOPolicy",
     "available_policy_names",
     "make_policy",
     "resolve_policy",

@@ -2,7 +2,8 @@
 path.
 
 `eviction_policy` in the connector's extra config takes any of:
-- a built-in name: `prefix_aware`, `lru` (the one list below);
+- a built-in name: `prefix_aware`, `lru`, `arc`, `lirs`, `s3fifo` (the one list
+  below);
 - the name of an entry point in the group `vllm_cpu_offload.eviction_policies`, which
   any installed distribution may declare (`fifo = "my_pkg.policies:FIFOPolicy"`);
 - an import path, `my_pkg.policies:FIFOPolicy` (or `my_pkg.policies.FIFOPolicy`).
@@ -29,6 +30,9 @@ ENTRY_POINT_GROUP = "vllm_cpu_offload.eviction_policies"
 BUILTIN_POLICIES: dict[str, str] = {
     "prefix_aware": f"{__package__}.prefix_aware:PrefixAwarePolicy",
     "lru": f"{__package__}.lru:LRUPolicy",
+    "arc": f"{__package__}.arc:ARCPolicy",
+    "lirs": f"{__package__}.lirs:LIRSPolicy",
+    "s3fifo": f"{__package__}.s3fifo:S3FIFOPolicy",
 }
 
 

@@ -5,7 +5,7 @@ transfer, and the forward pass beside it loses them: a persistent GEMM stalls be
 single busy SM. The copy engines cost the forward nothing; they cost the host a call per
 copy instead.
 
-Two ways to feed them (`cuda_runtime.py`):
+Two ways to feed them (`cuda_runtime.py`, `streams.py`):
 - Pitched: where one layout group's layers sit at a fixed distance in one allocation, as
   in vLLM 0.32's layer-compact layouts, and each layer-block is one run, a block's runs
   of every layer are `layers` rows of one 2D copy: one `cudaMemcpy2DAsync` per block
@@ -27,25 +27,19 @@ Imports torch only (the CUDA runtime through ctypes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from vllm_cpu_offload.worker.cuda_runtime import (
-    CudaRuntime,
-    MemcpyAttributes,
-    MemLocation,
-    cuda_runtime,
+from vllm_cpu_offload.worker.copiers.cuda_runtime import cuda_runtime
+from vllm_cpu_offload.worker.copiers.streams import (
+    copy_attributes,
+    forked,
+    merge_runs,
+    queue_batches,
 )
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
-# cudaMemcpySrcAccessOrderStream: the source is read in stream order, like
-# cudaMemcpyAsync.
-_ACCESS_ORDER_STREAM = 1
-_LOCATION_DEVICE, _LOCATION_HOST = 1, 2
-# cudaMemcpyFlagPreferOverlapWithCompute: keep the copies off the SMs the forward uses.
-_FLAG_PREFER_OVERLAP = 1
 # Streams a launch forks over, and the fewest copies worth one more stream.
 NUM_STREAMS = 8
 MIN_COPIES_PER_STREAM = 8
@@ -86,55 +80,6 @@ class _Group:
             self.pitches = (device_step, host_step)
         self.first_device = device_addrs[0]
         self.first_host = host.tensor.data_ptr() + slots[0]
-
-
-def copy_attributes(
-    device: int, *, buffer_on_device: bool = False
-) -> dict[bool, MemcpyAttributes]:
-    """Batch attributes by direction (True: caches to buffer) for copies between the
-    caches on `device` and a pinned host buffer, or a staging buffer on the same
-    device."""
-    caches = MemLocation(_LOCATION_DEVICE, device)
-    buffer = caches if buffer_on_device else MemLocation(_LOCATION_HOST, 0)
-    order, flags = _ACCESS_ORDER_STREAM, _FLAG_PREFER_OVERLAP
-    return {
-        True: MemcpyAttributes(order, caches, buffer, flags),
-        False: MemcpyAttributes(order, buffer, caches, flags),
-    }
-
-
-@contextmanager
-def forked(
-    streams: Sequence[torch.cuda.Stream], device: torch.device
-) -> Iterator[None]:
-    """Side `streams` start after the current stream's work so far, and its later work
-    waits for them, also when the body raises (no copy is left running behind the
-    caller)."""
-    current = torch.cuda.current_stream(device)
-    for stream in streams:
-        stream.wait_stream(current)
-    try:
-        yield
-    finally:
-        for stream in streams:
-            current.wait_stream(stream)
-
-
-def queue_batches(
-    runtime: CudaRuntime,
-    attrs: MemcpyAttributes,
-    batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    streams: Sequence[torch.cuda.Stream],
-) -> None:
-    """Queues each (dsts, srcs, sizes) batch of copies split evenly over `streams`."""
-    for dst, src, sizes in batches:
-        bounds = [len(dst) * k // len(streams) for k in range(len(streams) + 1)]
-        for stream, lo, hi in zip(streams, bounds, bounds[1:], strict=False):
-            if hi > lo:
-                stream_handle = stream.cuda_stream
-                runtime.memcpy_batch(
-                    dst[lo:hi], src[lo:hi], sizes[lo:hi], attrs, stream_handle
-                )
 
 
 def _step(values: list[int]) -> int:
@@ -306,24 +251,3 @@ class _Tables:
             self._merged = merge_runs(device, host, self.chunk_bytes)
         device, host, sizes = self._merged
         return (host, device, sizes) if to_host else (device, host, sizes)
-
-
-def merge_runs(
-    device: torch.Tensor, host: torch.Tensor, chunk_bytes: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(device, host, sizes): runs of `chunk_bytes` at these addresses, each joined to
-    the previous one where it continues it on both sides. O(runs), vectorized."""
-    if device.numel() <= 1:
-        return device, host, torch.full_like(device, chunk_bytes)
-    joins = (device[1:] == device[:-1] + chunk_bytes) & (
-        host[1:] == host[:-1] + chunk_bytes
-    )
-    starts = torch.ones_like(device, dtype=torch.bool)
-    starts[1:] = ~joins
-    first = starts.nonzero().reshape(-1)
-    ends = torch.cat([first[1:], torch.tensor([device.numel()])])
-    return (
-        device[first].contiguous(),
-        host[first].contiguous(),
-        (ends - first) * chunk_bytes,
-    )

@@ -1,6 +1,6 @@
 """Block copies on vLLM's CPU platform: torch views and `copy_`, no Triton.
 
-Same interface as `copy_kernels.TritonBlockCopier`. The device KV caches are ordinary
+Same interface as `triton_kernels.TritonBlockCopier`. The device KV caches are ordinary
 host memory here, so a copy is a memcpy between two strided views. What makes it fast:
 
 - Layers that sit at one fixed distance from each other in one allocation (vLLM
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_cpu_offload.worker.copy_threads import (
+from vllm_cpu_offload.worker.copiers.copy_threads import (
     CopyThreads,
     default_threads,
     helper_cores,

@@ -9,7 +9,7 @@ layers, in the host buffer. Staging hands the PCIe hop whole blocks:
     store: caches --gather, device to device--> staging slot --one DMA per block--> host
     load: host --one DMA per block--> staging slot --scatter, device to device--> caches
 
-The device-to-device hop is an inner copier (the pitched copy-engine path of `dma_copy`,
+The device-to-device hop is an inner copier (the pitched copy-engine path of `dma`,
 or the Triton kernels) pointed at a staging `HostBuffer` in device memory; it moves the
 same bytes at HBM speed, a small share of the PCIe hop's time. A batch goes in chunks of
 `chunk_blocks`, alternating between two halves of each direction's staging, so one
@@ -34,15 +34,20 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_cpu_offload.worker.cpu_copy import TorchBlockCopier
+from vllm_cpu_offload.worker.copiers.base import BlockCopier, ids_on_host
+from vllm_cpu_offload.worker.copiers.cuda_runtime import cuda_runtime
+from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
+from vllm_cpu_offload.worker.copiers.streams import (
+    copy_attributes,
+    forked,
+    merge_runs,
+    queue_batches,
+)
+from vllm_cpu_offload.worker.copiers.torch_views import TorchBlockCopier
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
-
-if TYPE_CHECKING:
-    from vllm_cpu_offload.worker.transfer_engine import BlockCopier
 
 # Blocks per chunk: 16 MiB of the 8B shape per PCIe hop, enough to fill the hop streams.
 CHUNK_BLOCKS = 8
@@ -59,7 +64,7 @@ class _Lane:
         self.inner = inner
         self.slots = slots  # [2, chunk_blocks] on the host: the slots of each half
         # The same ids where the device hop reads them (on the device for the kernels).
-        on_host = bool(getattr(inner, "ids_on_host", False)) or device.type != "cuda"
+        on_host = ids_on_host(inner) or device.type != "cuda"
         self.inner_slots = slots if on_host else slots.to(device)
         if device.type == "cuda":
             self.gather_stream = torch.cuda.Stream(device)
@@ -118,9 +123,6 @@ class StagedBlockCopier:
     def _cuda_direct(
         self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer
     ) -> BlockCopier:
-        from vllm_cpu_offload.worker.cuda_runtime import cuda_runtime
-        from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier, copy_attributes
-
         runtime = cuda_runtime()
         if not runtime.available:
             raise RuntimeError(runtime.why_unavailable)
@@ -143,11 +145,11 @@ class StagedBlockCopier:
         if not self._cuda and gather == "dma":
             return TorchBlockCopier(kv_caches, self.staging, threads=1)
         if gather == "kernel":
-            from vllm_cpu_offload.worker.copy_kernels import TritonBlockCopier
+            # Triton is imported only where its kernels are asked for: the CPU
+            # platform's copies and the DMA gather run without it.
+            from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
             return TritonBlockCopier(kv_caches, self.staging)
-        from vllm_cpu_offload.worker.dma_copy import DmaBlockCopier
-
         inner = DmaBlockCopier(kv_caches, self.staging)
         if not inner.pitched:
             raise RuntimeError("a copy-engine gather needs a layer-compact KV layout")
@@ -236,8 +238,6 @@ class StagedBlockCopier:
     ) -> None:
         """Whole blocks between staging `slots` and host blocks `host_ids`: one run per
         block, runs that continue each other on both sides merged."""
-        from vllm_cpu_offload.worker.dma_copy import merge_runs, queue_batches
-
         size = self._host.block_bytes
         staged = self.staging.tensor.data_ptr() + slots * size
         hosted = self._host.tensor.data_ptr() + host_ids * size
@@ -265,6 +265,4 @@ class StagedBlockCopier:
         work."""
         if not self._cuda:
             return nullcontext()
-        from vllm_cpu_offload.worker.dma_copy import forked
-
         return forked([lane.gather_stream, *lane.hop_streams], self._device)

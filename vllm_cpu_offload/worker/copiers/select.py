@@ -1,0 +1,168 @@
+"""Which copiers a worker uses, and the start-up check each must pass first.
+
+On the CPU platform, torch views both ways. On CUDA, by `copy_backend`:
+
+    "triton"  kernels both ways
+    "dma"     the copy engines both ways (a copier for each direction)
+    "staged"  whole blocks through device staging, both ways
+    "auto"    kernels for loads (one cheap launch per layer, inside the step); stores
+              on the copy engines where every run is at least `DMA_MIN_RUN_BYTES`
+              (they leave the forward's SMs alone), else on the kernels
+
+A candidate that cannot be built, or fails the start-up check, gives way to the next
+(copy engines, then kernels, then torch copies: slower, still correct).
+
+The start-up check proves that a copier writes host memory where the layout says
+(kernels address pinned memory through its host pointer, which needs a GPU and platform
+with unified addressing). It runs a probe copier, built by the same factory, over a
+scratch buffer of one block with the same layouts: it never writes a host block, which
+with `--swap-space-path` may hold a block restored from a previous run.
+
+Imports torch; triton only when its kernels are a candidate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vllm_cpu_offload.worker.copiers.base import BlockCopier, ids_on_host
+from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
+from vllm_cpu_offload.worker.copiers.staged import StagedBlockCopier
+from vllm_cpu_offload.worker.copiers.torch_views import TorchBlockCopier
+from vllm_cpu_offload.worker.host_buffer import HostBuffer
+
+logger = logging.getLogger(__name__)
+
+# With backend "auto", stores go to the copy engines when every run is at least this
+# long, else to the Triton kernels. Measured on an H100 (`benchmarks/transfer.py
+# --run-sweep`): over 8 streams the copy engines match the kernel from 32 KiB runs up
+# (47-50 GB/s) and beat it from 128 KiB (52 vs 40-45), but collapse below 32 KiB (3-14
+# GB/s); at 32 KiB a scattered batch also costs the host a microsecond per 32 KiB. Whole
+# blocks of a layer-compact layout go as one pitched copy each, whatever the run.
+DMA_MIN_RUN_BYTES = 64 << 10
+
+Caches = Mapping[str, torch.Tensor]
+# Builds a copier between these caches and this host buffer; raises if it cannot.
+CopierFactory = Callable[[Caches, HostBuffer], BlockCopier]
+Candidate = tuple[str, CopierFactory]
+
+
+@dataclass(frozen=True)
+class Copiers:
+    """The copier of each direction (the same object when one serves both)."""
+
+    loads: BlockCopier
+    stores: BlockCopier
+
+
+def select_copiers(
+    caches: Caches,
+    host: HostBuffer,
+    backend: str = "auto",
+    *,
+    candidates: Sequence[Candidate] | None = None,
+) -> Copiers:
+    """The copiers for `backend` on the caches' platform; see the module docstring.
+
+    `candidates` replaces the platform's choice with these (first that passes the
+    check serves both ways), and runs the start-up check on any platform: how tests
+    reach the check without a GPU.
+    """
+    if candidates is not None:
+        copier = first_passing(caches, host, candidates) or TorchBlockCopier(
+            caches, host
+        )
+        return Copiers(copier, copier)
+    device = next(iter(caches.values())).device
+    if device.type != "cuda":
+        copier = TorchBlockCopier(caches, host)
+        return Copiers(copier, copier)
+    if not host.pinned:
+        logger.warning(
+            "KV offload copies use torch copies: the host buffer is not pinned"
+        )
+        copier = TorchBlockCopier(caches, host)
+        return Copiers(copier, copier)
+    if backend == "staged":
+        staged = first_passing(caches, host, [("staged", _staged)])
+        if staged is not None:
+            return Copiers(staged, staged)
+    shortest_run = min(host.layouts[n].chunk_bytes for n in caches)
+    dma_stores = backend == "dma" or (
+        backend == "auto" and shortest_run >= DMA_MIN_RUN_BYTES
+    )
+    loads = _kernels_or_dma(caches, host, dma=backend == "dma")
+    if not dma_stores:
+        return Copiers(loads, loads)
+    # A copier of its own even when both are DMA: a DMA copier forks over its own
+    # streams, and a load queued there would wait behind the stores queued before it.
+    return Copiers(loads, _kernels_or_dma(caches, host, dma=True))
+
+
+def first_passing(
+    caches: Caches, host: HostBuffer, candidates: Sequence[Candidate]
+) -> BlockCopier | None:
+    """The first candidate that builds and passes the start-up check, if any."""
+    for name, make in candidates:
+        try:
+            if not passes_start_up_check(make, caches, host):
+                logger.warning("%s block copies failed their start-up check", name)
+                continue
+            copier = make(caches, host)
+        except Exception as e:
+            logger.info("%s block copies are unavailable: %s", name, e)
+            continue
+        logger.info("KV offload copies use %s", name)
+        return copier
+    return None
+
+
+def passes_start_up_check(
+    make: CopierFactory, caches: Caches, host: HostBuffer
+) -> bool:
+    """Whether a copier from `make` stores device block 0 of every layer where the
+    layout says, into a one-block scratch buffer like `host` (never into `host`)."""
+    scratch = HostBuffer(host.layouts, 1, pin=host.pinned)
+    probe = make(caches, scratch)
+    name, cache = next(iter(caches.items()))
+    zero = torch.zeros(
+        1, dtype=torch.int64, device="cpu" if ids_on_host(probe) else cache.device
+    )
+    # Every layer at once, the way stores go.
+    probe.copy(True, zero, zero, None)
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize(cache.device)
+    expected = scratch.layouts[name].block_view(cache, 0).cpu().reshape(-1)
+    return torch.equal(scratch.layer_view(name)[0], expected)
+
+
+def _kernels_or_dma(caches: Caches, host: HostBuffer, *, dma: bool) -> BlockCopier:
+    """The copy engines if asked for and they work, else Triton kernels, else torch
+    copies."""
+    candidates: list[Candidate] = [("DMA", DmaBlockCopier)] if dma else []
+    candidates.append(("Triton", _triton))
+    copier = first_passing(caches, host, candidates)
+    if copier is not None:
+        return copier
+    logger.warning(
+        "KV offload copies fall back to torch copies (slower, still correct)"
+    )
+    return TorchBlockCopier(caches, host)
+
+
+def _staged(caches: Caches, host: HostBuffer) -> BlockCopier:
+    try:
+        return StagedBlockCopier(caches, host, gather="dma")
+    except RuntimeError:  # no layer-compact layout: gather with the kernels
+        return StagedBlockCopier(caches, host, gather="kernel")
+
+
+def _triton(caches: Caches, host: HostBuffer) -> BlockCopier:
+    # Triton only where its kernels are a candidate: the CPU platform runs without it.
+    from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
+
+    return TritonBlockCopier(caches, host)
