@@ -8,13 +8,13 @@ from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
 from .lirs import LIRSPolicy
 from .lru import LRUPolicy
 from .prefix_aware import PrefixAwarePolicy
-from .s3fifo import S3FIFOPolicy
 from .registry import (
     BUILTIN_POLICIES,
     ENTRY_POINT_GROUP,
     available_policy_names,
     resolve_policy,
 )
+from .s3fifo import S3FIFOPolicy
 
 POLICY_NAMES: tuple[str, ...] = tuple(BUILTIN_POLICIES)
 
