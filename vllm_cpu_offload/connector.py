@@ -42,6 +42,7 @@ from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
 from vllm_cpu_offload.scheduler.policies import make_policy
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
+from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
 # Under vLLM's logger, so that its handler and format show these lines as vLLM's own.
 logger = init_logger("vllm.cpu_offload")
@@ -62,8 +63,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-    from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
 
 def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
@@ -188,8 +187,6 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 blocks_per_host_block=k,
             )
         else:
-            from vllm_cpu_offload.worker.tier_worker import HostTierWorker
-
             self.worker = HostTierWorker(
                 self.num_host_blocks * k,
                 kv_cache_config.num_blocks,

@@ -46,6 +46,7 @@ from vllm_cpu_offload.config import (
 )
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.persist.directory import check_tier_directory, check_tier_fits
+from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
 from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
 
 # Every vLLM release the package is tested against (README: "Supported vLLM").
@@ -194,8 +195,6 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
             "drop offload_block_size"
         )
     if config.swap_space_path is not None:
-        from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
-
         check_stable_block_hashes(vllm_config.cache_config.prefix_caching_hash_algo)
     if model_config.is_attention_free or model_config.is_hybrid:
         kind = (
@@ -208,6 +207,8 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
 
 
 def _kv_transfer_config_for(config: OffloadConfig, previous: Any) -> Any:
+    # vLLM is imported on use only, here and below: the import hook loads this module
+    # while vLLM itself is still being imported.
     from vllm.config.kv_transfer import KVTransferConfig
 
     extra = dict(previous.kv_connector_extra_config) if previous is not None else {}

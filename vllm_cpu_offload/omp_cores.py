@@ -43,6 +43,7 @@ class _ConfigWithoutConnector:
 
 def applied() -> bool:
     """Whether apply() has patched vLLM in this process."""
+    # vLLM on use only, here and in apply(): the plugin imports this module early.
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     return bool(getattr(OMPProcessManager, _PATCHED_MARK, False))

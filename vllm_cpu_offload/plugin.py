@@ -7,6 +7,7 @@ idempotent.
 
 from __future__ import annotations
 
+from vllm_cpu_offload import flags, omp_cores
 from vllm_cpu_offload.config import CONNECTOR_MODULE, CONNECTOR_NAME
 
 _warned = False
@@ -21,11 +22,11 @@ def register() -> None:
     are unknown to it.
     """
     global _warned
+    # vLLM on use only: `import vllm_cpu_offload` must not import vLLM (the import
+    # hook and vLLM's plugin loader call this while vLLM is being imported).
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.logger import init_logger
-
-    from vllm_cpu_offload import flags, omp_cores
 
     reason = flags.unsupported_vllm(vllm.__version__)
     if reason is not None:

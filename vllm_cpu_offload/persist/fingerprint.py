@@ -67,6 +67,7 @@ def tier_fingerprint(
 ) -> dict[str, Any]:
     """The configuration a tier's index and data files were written for (JSON
     values)."""
+    # vLLM on use only, here and below: the flags check directories before it loads.
     import vllm
 
     model = vllm_config.model_config

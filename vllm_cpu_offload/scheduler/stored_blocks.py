@@ -38,6 +38,7 @@ def stored_runs(
     A host block holds `k` device blocks of `block_size` tokens and is named by the hash
     of its last one; its event reports a block of `k * block_size` tokens.
     """
+    # vLLM on use only: the scheduler's unit tests and benchmarks run without it.
     from vllm.v1.core.kv_cache_utils import (
         generate_block_hash_extra_keys,
         to_event_extra_keys,

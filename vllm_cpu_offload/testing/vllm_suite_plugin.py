@@ -14,14 +14,16 @@ from collections.abc import Generator
 
 import pytest
 
+from vllm_cpu_offload import flags, omp_cores
+from vllm_cpu_offload.config import CONNECTOR_NAME
+from vllm_cpu_offload.plugin import register
+
 
 def plugin_in_place() -> list[str]:
     """What of the plugin is missing from vLLM right now (empty when all of it is
     there)."""
+    # vLLM on use only: pytest loads this plugin before vLLM's conftest runs.
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    from vllm_cpu_offload import flags, omp_cores
-    from vllm_cpu_offload.config import CONNECTOR_NAME
 
     missing = []
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
@@ -34,8 +36,6 @@ def plugin_in_place() -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from vllm_cpu_offload.plugin import register
-
     register()
 
 
