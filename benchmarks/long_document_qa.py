@@ -71,8 +71,8 @@ class PhaseResult:
     prompt_tokens: int
     cached_tokens: int  # device and host hits, vLLM's own per-request count
     host_hit_tokens: int  # from the connector's Prometheus counter
-    # Time per request that hit nothing: the cost of one document's prefill in this
-    # phase.
+    # Time per request that hit nothing: the cost of one document's prefill
+    # in this phase.
     miss_ms_median: float
     misses: int
     steal_s: (
@@ -313,8 +313,8 @@ def summarize(pairs: list[dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
         )
         summary["docs"].append(row)
     if "no_reuse" in base0[-1]:
-        # Same prompts in both arms: the throughput ratio is the inverse ratio of wall
-        # times.
+        # Same prompts in both arms: the throughput ratio is the inverse ratio
+        # of wall times.
         ratios = [
             p["prefix-caching"][-1]["no_reuse"]["wall_s"]
             / p["cpu-offload"][-1]["no_reuse"]["wall_s"]

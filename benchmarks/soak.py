@@ -60,8 +60,8 @@ BLOCK_SIZE = 32
 OFFLOAD = "vllm:cpu_offload_"
 
 
-# --- a minimal server launcher (the tests have their own; benchmarks import nothing
-# from them)
+# --- a minimal server launcher (the tests have their own; benchmarks import
+# nothing from them)
 
 
 def _free_port() -> int:

@@ -251,9 +251,8 @@ def bench_shape(
                 "vs_memcpy": ratio,
             }
         )
-    if (
-        device == "cuda" and pattern == "scattered"
-    ):  # on CPU copies never run beside compute
+    # On CPU copies never run beside compute.
+    if device == "cuda" and pattern == "scattered":
         copies = [m for m in (*engines, "memcpy")]
         rows += matmul_slowdown(label, methods, copies, timer, device)
         for row in queue_cost(engines, caches, n):
@@ -490,8 +489,8 @@ def queue_cost(
 def measure_in_vllm_worker(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     """(machine, rows) of the CPU measurement run inside the worker of a real vLLM
     engine (the package's tiny model, offloading on) through `collective_rpc`."""
-    # collective_rpc sends a function by pickle only with this set; it stays on
-    # loopback.
+    # collective_rpc sends a function by pickle only with this set; it
+    # stays on loopback.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM

@@ -133,8 +133,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         )
         block_size = vllm_config.cache_config.block_size
         self.kv_groups = kv_groups_of(kv_cache_config, block_size)
-        # A host block holds k device blocks; the worker's host buffer has k slots for
-        # each.
+        # A host block holds k device blocks; the worker's host buffer has k
+        # slots for each.
         k = self.offload_config.blocks_per_host_block(block_size)
         if k > 1 and not all(g.is_full for g in self.kv_groups):
             raise OffloadConfigError(
@@ -196,9 +196,9 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     else None
                 ),
                 copy_backend=self.offload_config.copy_backend,
-                # A sliding-window group releases blocks while its request runs: a store
-                # still reading one must end before the next step's compute may reuse
-                # it.
+                # A sliding-window group releases blocks while its request runs: a
+                # store still reading one must end before the next step's compute
+                # may reuse it.
                 fence_stores=not all(g.is_full for g in self.kv_groups),
             )
 
@@ -210,8 +210,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None, "worker-side method called on the scheduler"
         return self.worker
 
-    # ---- worker side
-    # ---------------------------------------------------------------------
+    # ---- worker side ----
 
     @override
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -296,8 +295,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # between the graph pieces, which a full CUDA graph would skip.
         return True
 
-    # ---- scheduler side
-    # ------------------------------------------------------------------
+    # ---- scheduler side ----
 
     @override
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -331,9 +329,9 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert report is None or isinstance(report, OffloadWorkerReport)
         released = self._sched().update_connector_output(report)
         if released:
-            # vLLM frees the blocks of `finished_sending` right after this call, in the
-            # same step: an engine that goes idle now keeps no block for a store already
-            # done.
+            # vLLM frees the blocks of `finished_sending` right after this call, in
+            # the same step: an engine that goes idle now keeps no block for a
+            # store already done.
             sending = connector_output.finished_sending or set()
             connector_output.finished_sending = sending | released
 
@@ -362,8 +360,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         return self._sched().reset_cache()
 
-    # ---- metrics (both sides)
-    # -----------------------------------------------------------
+    # ---- metrics (both sides) ----
 
     @override
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -53,10 +53,10 @@ from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 PATCH_NAME = "engine_args_flags"
 _PATCHED_MARK = "_vllm_cpu_offload_patched"
-# ids of the live EngineArgs that from_cli_args built: their errors end the process with
-# one line, as argparse's do, instead of a traceback. Kept beside them, not as an
-# attribute: scripts copy EngineArgs' attributes into new EngineArgs as keyword
-# arguments.
+# ids of the live EngineArgs that from_cli_args built: their errors end the
+# process with one line, as argparse's do, instead of a traceback. Kept beside
+# them, not as an attribute: scripts copy EngineArgs' attributes into new
+# EngineArgs as keyword arguments.
 _from_cli: set[int] = set()
 
 

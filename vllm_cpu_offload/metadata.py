@@ -28,9 +28,9 @@ class OffloadStepMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     stores: list[BlockTransfer] = field(default_factory=list)
-    # Finished requests whose device blocks stay allocated until their stores finish;
-    # each worker reports them in `finished_sending` once it has no store of theirs
-    # left.
+    # Finished requests whose device blocks stay allocated until their stores
+    # finish; each worker reports them in `finished_sending` once it has no store
+    # of theirs left.
     delayed_free_req_ids: list[str] = field(default_factory=list)
     # Requests preempted this step: their device blocks may be reused at once.
     preempted_req_ids: list[str] = field(default_factory=list)

@@ -42,8 +42,8 @@ COUNTERS = {
     "store_seconds": "Seconds the workers spent on stores.",
 }
 # stats key -> help text; counters named PREFIX + "group_" + key, with a
-# `kv_cache_group` label. In the stats payload their increments travel as "key:group
-# id".
+# `kv_cache_group` label. In the stats payload their increments travel
+# as "key:group id".
 GROUP_COUNTERS = {
     "stored_blocks": "KV blocks copied to host memory, per KV cache group.",
     "loaded_blocks": "KV blocks copied back from host memory, per KV cache group.",

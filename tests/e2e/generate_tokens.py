@@ -18,8 +18,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def main(model: str) -> None:
-    # Nothing of vllm_cpu_offload is imported here: importing the package applies the
-    # plugin.
+    # Nothing of vllm_cpu_offload is imported here: importing the package
+    # applies the plugin.
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import has_kv_transfer_group
     from vllm.inputs import TokensPrompt

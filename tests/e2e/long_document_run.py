@@ -20,8 +20,8 @@ import sys
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# collective_rpc sends the probe below by pickle only with this set; it stays on
-# loopback.
+# collective_rpc sends the probe below by pickle only with this set; it
+# stays on loopback.
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
 BLOCK_SIZE = 32

@@ -96,10 +96,9 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.send_signal(signal.SIGTERM)
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=STOP_TIMEOUT_S)
-    with suppress(
-        ProcessLookupError
-    ):  # the server leads its own session: no engine core
-        os.killpg(proc.pid, signal.SIGKILL)  # or worker outlives it
+    # The server leads its own session: no engine core or worker outlives it.
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=STOP_TIMEOUT_S)
 
 

@@ -48,8 +48,8 @@ def test_worker_gets_the_same_openmp_threads_and_binding_with_the_flag(
 def test_bf16_greedy_tokens_equal_without_the_flag_and_rereads_hit_host(
     runs: tuple[dict[str, Any], dict[str, Any]],
 ) -> None:
-    # Documents read twice; the device cache holds about two, so re-reads come from
-    # host.
+    # Documents read twice; the device cache holds about two, so re-reads
+    # come from host.
     without, with_flag = runs
     full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE
     assert_exact_with_host_rereads(without, with_flag, DOCS, full_blocks * BLOCK_SIZE)

@@ -20,8 +20,8 @@ def _generate(model: str, plugins: str | None) -> dict:
 
 
 def test_flags_off_equals_vllm_without_the_plugin(tiny_model: str) -> None:
-    # Same prompts, greedy: plugin loaded with flags off vs the plugin not loaded at
-    # all.
+    # Same prompts, greedy: plugin loaded with flags off vs the plugin not
+    # loaded at all.
     with_plugin = _generate(tiny_model, plugins=None)
     without = _generate(tiny_model, plugins="no-such-plugin")
     assert with_plugin["plugin_loaded"] and not without["plugin_loaded"]

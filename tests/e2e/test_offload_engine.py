@@ -82,8 +82,8 @@ def test_engine_starts_with_our_connector_on_both_sides(llm: Any) -> None:
 def test_evicted_prompt_comes_back_from_host_with_equal_outputs(
     llm: Any, baseline_tokens: dict[str, list[int]]
 ) -> None:
-    # Read A, flush it out of the device cache with B..E, read A again: A loads from
-    # host.
+    # Read A, flush it out of the device cache with B..E, read A again: A
+    # loads from host.
     sched = scheduler_connector(llm).scheduler
     a, *others = _prompts(1, 5)
     first = _run(llm, [a])
@@ -110,8 +110,8 @@ def test_no_request_state_or_pin_left_after_requests_finish(llm: Any) -> None:
 
 
 def test_reset_prefix_cache_empties_the_host_tier(llm: Any) -> None:
-    # reset_prefix_cache(reset_connector=True) drops every host block; the next read
-    # misses.
+    # reset_prefix_cache(reset_connector=True) drops every host block; the
+    # next read misses.
     sched = scheduler_connector(llm).scheduler
     prompt = _prompts(2, 1, blocks=3)[0]
     _run(llm, [prompt])

@@ -71,8 +71,8 @@ def test_second_turn_hits_blocks_stored_during_first_turn_decode(
     _generate(offload_llm, [turn2], max_tokens=4)
     loaded = sched.stats.hit_tokens - hits
     prompt_only = len(turn1) // BLOCK_SIZE * BLOCK_SIZE
-    # Every full block of turn 1 and its answer (except the last token's) comes from
-    # host.
+    # Every full block of turn 1 and its answer (except the last token's)
+    # comes from host.
     assert loaded > prompt_only
     assert loaded >= (len(turn1) + len(answer) - 1) // BLOCK_SIZE * BLOCK_SIZE
     _assert_idle(sched)
@@ -124,9 +124,9 @@ def test_aborted_requests_leave_nothing_behind(offload_llm: Any) -> None:
 def test_requests_sharing_a_prefix_load_it_once_without_waiting(
     offload_llm: Any,
 ) -> None:
-    # Two requests with one host-resident prefix arrive together: the first loads it
-    # within the step, the second finds it in the device cache; the prefix is loaded
-    # once.
+    # Two requests with one host-resident prefix arrive together: the first
+    # loads it within the step, the second finds it in the device cache; the
+    # prefix is loaded once.
     sched = scheduler_connector(offload_llm).scheduler
     prefix = _words(400, 5 * BLOCK_SIZE)
     prompts = [prefix + _words(401, 9), prefix + _words(402, 9)]

@@ -32,9 +32,8 @@ from vllm_cpu_offload.testing.tiny_model import random_words
 pytestmark = pytest.mark.e2e
 
 DOCS, BLOCKS = 4, 6
-HITS = (
-    BLOCKS - 1
-) * BLOCK_SIZE  # at least this much of each re-read comes from the tier
+# At least this much of each re-read comes from the tier.
+HITS = (BLOCKS - 1) * BLOCK_SIZE
 
 
 def server_flags(tier: Path) -> list[str]:

@@ -20,8 +20,8 @@ from tests.e2e.servers import SERVER, free_port, metrics, running_server, server
 
 pytestmark = pytest.mark.e2e
 
-# 49 host blocks of the tiny model (64 KiB each): the first prompts fit, later ones
-# evict.
+# 49 host blocks of the tiny model (64 KiB each): the first prompts fit,
+# later ones evict.
 HOST_GIB = 0.003
 
 
@@ -101,9 +101,9 @@ def _metrics(url: str) -> dict[str, float]:
 def test_server_answers_completion_and_reuses_host_blocks(
     server: str, tiny_model: str, events_port: int
 ) -> None:
-    # A completion, then enough other prompts to flush it from the device, then it
-    # again; the host hit shows in vLLM's usage, in our Prometheus metrics and in KV
-    # events.
+    # A completion, then enough other prompts to flush it from the device, then
+    # it again; the host hit shows in vLLM's usage, in our Prometheus metrics and
+    # in KV events.
     from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 
     from vllm_cpu_offload.testing.tiny_model import random_words

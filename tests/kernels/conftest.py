@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# Logical per-layer view [B, H, N, C] of vLLM 0.32; each layout is a permutation of the
-# logical axes [L, B, H, N, C] into memory order
-# (vllm.v1.kv_cache_layout.KVCacheLayout).
+# Logical per-layer view [B, H, N, C] of vLLM 0.32; each layout
+# is a permutation of the logical axes [L, B, H, N, C] into
+# memory order (vllm.v1.kv_cache_layout.KVCacheLayout).
 V032_LAYOUTS = {
     "LBHNC": (0, 1, 2, 3, 4),
     "LBNHC": (0, 1, 3, 2, 4),

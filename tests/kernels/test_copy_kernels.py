@@ -98,8 +98,8 @@ def test_round_trip_all_layers(layout, copier_cls):
 
 @pytest.mark.parametrize("copier_cls", COPIERS.values(), ids=COPIERS.keys())
 def test_kernel_blocks_grouped_into_manager_blocks(copier_cls):
-    # vLLM split each 8-token manager block into two 4-token kernel blocks: ids are
-    # manager ids.
+    # vLLM split each 8-token manager block into two 4-token kernel blocks: ids
+    # are manager ids.
     caches, _ = make_kv_caches("LBHNC", num_blocks=8, dtype=torch.bfloat16)
     host = HostBuffer.for_kv_caches(caches, 3, num_blocks=4)
     copier_cls(caches, host).copy(True, _ids([3, 1]), _ids([0, 2]))

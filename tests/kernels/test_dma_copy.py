@@ -25,8 +25,8 @@ def _tables(
 
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_layer_tables_address_every_run(layout):
-    # Each layer's row lists, in device-id order, the address of every run of every
-    # pair.
+    # Each layer's row lists, in device-id order, the address of every run
+    # of every pair.
     device_ids, host_ids = [6, 0, 3], [1, 4, 0]
     caches, _, host, tables = _tables(layout, device_ids, host_ids)
     pairs = sorted(zip(device_ids, host_ids, strict=True))
@@ -44,8 +44,8 @@ def test_layer_tables_address_every_run(layout):
 
 
 def test_merge_joins_runs_that_continue_on_both_sides():
-    # Runs 0-1 continue each other on both sides, 2 jumps on the host side, 3 continues
-    # 2.
+    # Runs 0-1 continue each other on both sides, 2 jumps on the host side,
+    # 3 continues 2.
     device = torch.tensor([100, 110, 120, 130])
     host = torch.tensor([0, 10, 50, 60])
     dsts, srcs, sizes = merge_runs(device, host, 10)
@@ -55,8 +55,8 @@ def test_merge_joins_runs_that_continue_on_both_sides():
 
 
 def test_blocks_that_hold_every_layer_merge_into_one_copy_per_block():
-    # BLHNC keeps all layers of a block contiguous, as the host block does: one copy
-    # each.
+    # BLHNC keeps all layers of a block contiguous, as the host block does:
+    # one copy each.
     _, _, host, tables = _tables("BLHNC", [4, 1], [0, 5])
     device, on_host, sizes = tables.merged(to_host=False)
     assert sizes.tolist() == [host.block_bytes] * 2

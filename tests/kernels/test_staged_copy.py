@@ -44,8 +44,8 @@ def _sync() -> None:
 
 
 # Eleven pairs over chunks of three: four chunks, the last one short, both halves
-# reused; host blocks 7, 8, 9 follow each other in one chunk (their hop merges into one
-# run).
+# reused; host blocks 7, 8, 9 follow each other in one chunk (their hop merges
+# into one run).
 DEVICE_IDS = [12, 0, 5, 3, 9, 1, 10, 2, 7, 11, 4]
 HOST_IDS = [3, 11, 0, 7, 8, 9, 5, 1, 10, 2, 6]
 

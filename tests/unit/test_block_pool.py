@@ -158,8 +158,8 @@ def test_allocate_skips_held_keys(policy: str) -> None:
 
 
 def test_allocate_evicts_to_make_room(policy: str) -> None:
-    # A full pool of ready blocks: storing a new chain evicts old ones, never exceeds
-    # size.
+    # A full pool of ready blocks: storing a new chain evicts old ones,
+    # never exceeds size.
     pool = make_pool(policy, 3)
     store(pool, ["a", "b", "c"])
     store(pool, ["x", "y"])
@@ -207,8 +207,8 @@ def test_complete_store_rejects_keys_not_being_stored(policy: str) -> None:
 
 
 def test_failed_parent_store_orphans_its_children(policy: str) -> None:
-    # The parent's store fails after the child's succeeded: the child stays, as an
-    # orphan.
+    # The parent's store fails after the child's succeeded: the child stays,
+    # as an orphan.
     pool = make_pool(policy, 4)
     pool.allocate_for_store(["a", "b"], None)
     pool.complete_store(["b"], True)

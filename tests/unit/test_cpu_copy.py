@@ -39,8 +39,8 @@ def split_everything(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def helper_takes_a_piece(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    # The calling thread copies nothing until a helper has taken a piece: both threads
-    # work.
+    # The calling thread copies nothing until a helper has taken a piece:
+    # both threads work.
     helper_started = threading.Event()
     copy = torch_views._copy
 
@@ -60,8 +60,8 @@ def helper_takes_a_piece(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 def test_shared_batch_is_byte_exact(
     threads: int, helper_takes_a_piece: threading.Event
 ) -> None:
-    # 40 scattered blocks and a 6-block run, shared by threads: stored, wiped, loaded
-    # back.
+    # 40 scattered blocks and a 6-block run, shared by threads: stored,
+    # wiped, loaded back.
     caches = _caches()
     originals = {n: t.clone() for n, t in caches.items()}
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
@@ -162,8 +162,8 @@ def test_engine_fails_the_job_whose_shared_copy_raises(
 def test_small_batch_stays_on_the_calling_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Below SPLIT_MIN_BYTES no helper is handed work (a hand-off costs more than it
-    # saves).
+    # Below SPLIT_MIN_BYTES no helper is handed work (a hand-off costs more
+    # than it saves).
     caches = _caches()
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     threads: set[str] = set()
@@ -179,8 +179,8 @@ def test_small_batch_stays_on_the_calling_thread(
 
 
 def test_helpers_keep_the_torch_thread_count() -> None:
-    # Starting helpers (each sets its own intra-op pool to 1) leaves this thread's
-    # alone.
+    # Starting helpers (each sets its own intra-op pool to 1) leaves
+    # this thread's alone.
     before = torch.get_num_threads()
     caches = _caches()
     TorchBlockCopier(caches, HostBuffer.for_kv_caches(caches, 2), threads=2)
@@ -195,8 +195,8 @@ def _clear_openmp_binding(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_thread_pinned_to_one_core_without_a_binding_gets_no_helpers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Pinned to one core and no OpenMP pool to borrow from: helpers would share that
-    # core.
+    # Pinned to one core and no OpenMP pool to borrow from: helpers would
+    # share that core.
     _clear_openmp_binding(monkeypatch)
     monkeypatch.setattr(
         copy_threads.os, "sched_getaffinity", lambda tid: {0}, raising=False
@@ -208,8 +208,8 @@ def test_a_thread_pinned_to_one_core_without_a_binding_gets_no_helpers(
 def test_a_pinned_worker_thread_borrows_the_openmp_cores(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # vLLM's CPU worker: initial thread pinned to core 0, OpenMP threads bound to 0 and
-    # 1.
+    # vLLM's CPU worker: initial thread pinned to core 0, OpenMP threads bound to
+    # 0 and 1.
     _clear_openmp_binding(monkeypatch)
     monkeypatch.setenv("GOMP_CPU_AFFINITY", "0 1")
     monkeypatch.setattr(
@@ -225,8 +225,8 @@ def test_a_pinned_worker_thread_borrows_the_openmp_cores(
 def test_a_binding_names_only_cores_this_process_runs_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # An inherited binding list for other cores than this process's threads use adds
-    # nothing.
+    # An inherited binding list for other cores than this process's threads
+    # use adds nothing.
     _clear_openmp_binding(monkeypatch)
     monkeypatch.setenv("GOMP_CPU_AFFINITY", "4-7")
     monkeypatch.setattr(
@@ -311,8 +311,8 @@ def test_copies_ignore_a_replaced_set_num_threads(
 def test_a_core_that_cannot_be_taken_leaves_the_helper_on_the_callers_mask(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The binding names a core this thread may not use: the helper starts anyway and
-    # copies.
+    # The binding names a core this thread may not use: the helper starts
+    # anyway and copies.
     def refuse(tid: int, cores: object) -> None:
         raise OSError(22, "Invalid argument")
 

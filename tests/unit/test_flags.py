@@ -134,8 +134,8 @@ def test_bad_input_is_one_line_error(kwargs: dict[str, object], message: str) ->
 
 
 def test_swap_space_path_from_the_command_line(tmp_path: Path) -> None:
-    # --swap-space-path DIR: parsed, carried to the config; the directory is created
-    # private.
+    # --swap-space-path DIR: parsed, carried to the config; the directory
+    # is created private.
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     tier = tmp_path / "tier"
     ns = parser.parse_args(

@@ -69,8 +69,8 @@ def test_failed_allocation_names_swap_space(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_failed_pinning_names_swap_space(monkeypatch: pytest.MonkeyPatch) -> None:
-    # cudaHostRegister refuses (e.g. the locked-memory limit): a clear error, not a
-    # crash.
+    # cudaHostRegister refuses (e.g. the locked-memory limit): a clear error,
+    # not a crash.
     monkeypatch.setattr(host_buffer, "_host_register", lambda ptr, size: 2)
     layouts = {"a": KVLayout(4, 1 << 20, 1, 0, 1 << 20, 2)}
     with pytest.raises(

@@ -59,8 +59,8 @@ def test_longest_hit_needs_every_full_block_but_only_the_window() -> None:
     def ready(group: int, i: int) -> bool:
         return (group, i) in held
 
-    # A hit of 6 blocks needs window blocks 4 and 5 (held); 7 would need 5 and 6 (6
-    # missing).
+    # A hit of 6 blocks needs window blocks 4 and 5 (held); 7 would need 5 and
+    # 6 (6 missing).
     assert longest_hit(groups, BS, 0, 10, ready) == 6
     # A gap in the full group ends the hit, whatever the window group holds.
     held.discard((0, 3))

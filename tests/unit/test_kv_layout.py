@@ -41,8 +41,8 @@ def test_flash_nhd_legacy_two_first() -> None:
 
 
 def test_hnd_stride_order_is_still_one_run_per_k_and_v() -> None:
-    # Physical (2, N, H, bs, D) seen as logical (2, N, bs, H, D): each K/V block is
-    # dense.
+    # Physical (2, N, H, bs, D) seen as logical (2, N, bs, H, D): each K/V
+    # block is dense.
     t = _random((2, 10, 8, 16, 128)).permute(0, 1, 3, 2, 4)
     layout = KVLayout.from_tensor(t)
     assert (layout.num_chunks, layout.chunk_bytes) == (2, 16 * 8 * 128 * 2)
@@ -153,8 +153,8 @@ def test_every_vllm_layout_maps_each_block(layout_name: str) -> None:
 
 @pytest.mark.parametrize("layout_name", ["LBHNC", "BLHNC"])
 def test_vllm_padded_pages_copy_only_the_data(layout_name: str) -> None:
-    # Padded pages (hybrid models): the block stride skips the padding, the runs do not
-    # hold it.
+    # Padded pages (hybrid models): the block stride skips the padding, the runs do
+    # not hold it.
     views, spec = _vllm_views(layout_name, num_blocks=4, padded=True)
     layout = KVLayout.from_tensor(views[1], num_blocks=4)
     assert layout.block_bytes == spec.real_page_size_bytes  # type: ignore[attr-defined]

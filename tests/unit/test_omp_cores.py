@@ -58,8 +58,8 @@ def test_our_connector_reserves_what_no_connector_reserves(
 def test_other_connectors_keep_vllms_extra_core(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The patch is scoped to our connector: NIXL's transfer threads still get their
-    # core.
+    # The patch is scoped to our connector: NIXL's transfer threads still
+    # get their core.
     none = _manager(_config(None), monkeypatch)
     nixl = _manager(_config("NixlConnector"), monkeypatch)
     assert nixl.reserve_cpu_num == none.reserve_cpu_num + 1

@@ -84,9 +84,8 @@ def test_a_torn_record_is_dropped_and_counted(tmp_path: Path) -> None:
     index, _ = open_index(tmp_path)
     index.record([(0, key(1), None), (1, key(2), key(1))])
     index.close()
-    with open(
-        tmp_path / "index.bin", "r+b"
-    ) as f:  # a write cut off half-way by a crash
+    # A write cut off half-way by a crash.
+    with open(tmp_path / "index.bin", "r+b") as f:
         f.seek(1 * RECORD_BYTES + 20)
         f.write(b"\xff" * 8)
     index2, restored = open_index(tmp_path)
@@ -249,8 +248,8 @@ def test_the_pool_records_what_it_serves_and_restores_it(
     tmp_path: Path, policy: str
 ) -> None:
     # A pool backed by an index: finished stores are recorded, evicted blocks cleared,
-    # and a new pool adopts what is left with its chain links; it then stores and evicts
-    # as usual.
+    # and a new pool adopts what is left with its chain links; it then stores and
+    # evicts as usual.
     make_tier(tmp_path)
     index, _ = open_index(tmp_path)
     pool = HostBlockPool(4, make_policy(policy, 4), persistence=index)

@@ -164,8 +164,8 @@ def test_prefix_aware_admitting_all_evicts_like_lru() -> None:
 
 
 def test_prefix_aware_remembers_evicted_keys_as_reused() -> None:
-    # A key evicted and stored again has proven a reuse: it starts in the protected
-    # segment.
+    # A key evicted and stored again has proven a reuse: it starts in
+    # the protected segment.
     pool = HostBlockPool(4, PrefixAwarePolicy(4))
     store(pool, ["r"])
     for key in ["p", "q", "s", "t"]:

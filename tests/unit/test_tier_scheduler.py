@@ -51,9 +51,8 @@ class Engine:
             block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32
         )
         groups = [KVCacheGroupSpec(["l0"], FullAttentionSpec(**attn))]
-        if (
-            sliding_window is not None
-        ):  # vLLM's hybrid manager: a full and a window group
+        # vLLM's hybrid manager: a full and a window group.
+        if sliding_window is not None:
             swa = SlidingWindowSpec(sliding_window=sliding_window, **attn)
             groups.append(KVCacheGroupSpec(["l1"], swa))
         config = KVCacheConfig(
@@ -154,8 +153,8 @@ def test_lookup_starts_after_the_device_hit_and_leaves_one_token() -> None:
 
 
 def test_load_plan_pins_host_blocks_until_the_load_is_reported() -> None:
-    # A hit becomes a load into the new device blocks; its host blocks stay pinned till
-    # done.
+    # A hit becomes a load into the new device blocks; its host blocks stay
+    # pinned till done.
     engine = Engine()
     meta = _prefill(engine, _request("a", list(range(10))))
     engine.report(meta.stores[0].job_id)
@@ -185,8 +184,8 @@ def test_a_job_completes_once_every_worker_reported_it() -> None:
 
 
 def test_finished_request_with_store_in_flight_is_freed_late() -> None:
-    # request_finished keeps the device blocks while a store reads them, and says so to
-    # workers.
+    # request_finished keeps the device blocks while a store reads them, and says
+    # so to workers.
     engine = Engine()
     busy, idle = _request("a", list(range(10))), _request("b", list(range(20, 30)))
     _prefill(engine, busy)
@@ -211,8 +210,8 @@ def test_store_reported_in_the_finishing_step_frees_the_blocks_in_that_step() ->
 
 
 def test_store_still_in_flight_is_handed_to_the_workers_once() -> None:
-    # A store not in the finishing step's report: the workers hold the blocks and report
-    # them.
+    # A store not in the finishing step's report: the workers hold the blocks
+    # and report them.
     engine = Engine(workers=2)
     request = _request("a", list(range(10)))
     job = _prefill(engine, request).stores[0].job_id
@@ -324,10 +323,10 @@ def test_hybrid_groups_store_every_group_and_load_only_the_window() -> None:
 
 
 def test_hybrid_hit_stops_where_the_window_group_lacks_a_block() -> None:
-    # The host tier holds blocks 0-5 of the full group but only 0-4 of the window group.
-    # A 6-block hit would need window block 5; a 5-block hit needs window blocks 3 and
-    # 4, so the hit is 5 blocks. Without window block 4 either, only 4 blocks can be
-    # served.
+    # The host tier holds blocks 0-5 of the full group but only 0-4 of the window
+    # group. A 6-block hit would need window block 5; a 5-block hit needs window
+    # blocks 3 and 4, so the hit is 5 blocks. Without window block 4 either, only 4
+    # blocks can be served.
     engine = Engine(host_blocks=16, sliding_window=8)
     pool = engine.tier.pool
     request = _request("b", list(range(26)))

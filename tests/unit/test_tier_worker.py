@@ -52,8 +52,8 @@ def test_store_then_load_round_trips_the_bytes_and_reports_both_jobs() -> None:
 
 
 def test_failed_load_reports_its_device_blocks_for_recompute() -> None:
-    # A host id out of range fails its job only; vLLM is told which device blocks to
-    # redo.
+    # A host id out of range fails its job only; vLLM is told which device
+    # blocks to redo.
     worker, _ = _worker()
     meta = OffloadStepMetadata(
         loads=[
@@ -70,8 +70,8 @@ def test_failed_load_reports_its_device_blocks_for_recompute() -> None:
 
 
 def test_delayed_free_is_reported_once_the_request_has_no_store_left() -> None:
-    # The scheduler held request a's blocks; the worker releases a once its stores are
-    # done.
+    # The scheduler held request a's blocks; the worker releases a once its
+    # stores are done.
     worker, _ = _worker()
     assert (
         _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, [2], [0], "a")]))

@@ -293,9 +293,8 @@ def test_cuda_backend_choice() -> None:
     assert isinstance(forced.copiers.loads, dma) and isinstance(
         forced.copiers.stores, dma
     )
-    assert (
-        forced.copiers.loads is not forced.copiers.stores
-    )  # loads never queue behind stores
+    # Loads never queue behind stores.
+    assert forced.copiers.loads is not forced.copiers.stores
     if cuda_runtime().available:
         from vllm_cpu_offload.worker.copiers.staged import StagedBlockCopier
 
@@ -314,8 +313,8 @@ def test_cuda_backend_choice() -> None:
 @pytest.mark.cuda
 @cuda
 def test_cuda_dma_stores_wait_for_the_step_and_land() -> None:
-    # Auto backend with 64 KiB runs: stores defer to finish_step and copy what compute
-    # wrote.
+    # Auto backend with 64 KiB runs: stores defer to finish_step and copy
+    # what compute wrote.
     raw = torch.randn(3, 6, 8, 16, 256, device="cuda").to(torch.bfloat16)
     caches = {f"layer.{i}": raw[i] for i in range(3)}
     host = HostBuffer.for_kv_caches(caches, 4)

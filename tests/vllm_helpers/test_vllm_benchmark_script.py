@@ -41,8 +41,8 @@ def _run(script: Path, model: str, *flags: str) -> subprocess.CompletedProcess[s
 def test_vllms_long_document_script_takes_the_flags_by_plain_python(
     tiny_model: str, vllm_sdist: Path
 ) -> None:
-    # The flags are appended to vLLM's own script; it runs, and the host tier is
-    # engaged.
+    # The flags are appended to vLLM's own script; it runs, and the host
+    # tier is engaged.
     script = vllm_sdist / "benchmarks" / "benchmark_long_document_qa_throughput.py"
     with_flags = _run(
         script, tiny_model, "--enable-cpu-offload", "--swap-space", "0.05"

@@ -24,8 +24,8 @@ def _write(record: dict[str, Any]) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    # One record per test: the call phase, or setup when it failed or skipped, or a
-    # teardown error.
+    # One record per test: the call phase, or setup when it failed or skipped, or
+    # a teardown error.
     if report.when == "call" or (report.when == "setup" and not report.passed):
         outcome = report.outcome
         if report.when == "setup" and report.failed:

@@ -65,8 +65,8 @@ ALL_FILES: tuple[str, ...] = (
     "tests/v1/simple_kv_offload",
 )
 
-# Whole files of CORE and UNIT that FILES leaves out, and why (measured without the
-# plugin).
+# Whole files of CORE and UNIT that FILES leaves out, and why (measured
+# without the plugin).
 LEFT_OUT_FILES: dict[str, str] = {
     f"{CORE}/prefix_cache/test_hybrid_prefix_cache_hit_rate.py": (
         "weights of Qwen/Qwen3.5-0.8B"

@@ -117,9 +117,9 @@ class BlockIndex:
         }
         if why is not None:
             self.rebuilt_because = why
-            # Cleared before the new metadata names the workers' files: a crash in
-            # between leaves a tier that the next open rebuilds again, never stale
-            # records.
+            # Cleared before the new metadata names the workers' files: a
+            # crash in between leaves a tier that the next open rebuilds
+            # again, never stale records.
             os.ftruncate(fd, 0)
             os.ftruncate(fd, size)
         self._file.write_meta("open")

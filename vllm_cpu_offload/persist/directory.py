@@ -25,8 +25,8 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 # Bumped whenever what the files mean changes: a tier of another format is rebuilt.
 FORMAT_VERSION = 1
-# Data files are named kv-<rank>.bin; the index is index.bin (see the modules that own
-# them).
+# Data files are named kv-<rank>.bin; the index is index.bin (see the modules
+# that own them).
 TIER_FILE_GLOB = "*.bin"
 
 

@@ -340,8 +340,8 @@ class HostBlockPool:
                 parent.first_child = block
                 parent.num_children += 1
             self._by_key[key] = block
-            # One at a time, oldest first: the policy's recency follows the tier's
-            # history.
+            # One at a time, oldest first: the policy's recency follows
+            # the tier's history.
             self.policy.on_insert([block])
             block.state = BlockState.READY
             self.policy.on_ready([block])

@@ -91,8 +91,8 @@ def _group_of(group_id: int, spec: Any) -> KVGroup | None:
     A full-attention group (any FullAttentionSpec, e.g. MLA) is always safe: the host
     tier only serves runs of blocks it stored, and stores only blocks vLLM still holds.
     """
-    # vLLM on use only: this module runs without it in the pool's unit tests and
-    # benchmarks.
+    # vLLM on use only: this module runs without it in the pool's unit
+    # tests and benchmarks.
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,

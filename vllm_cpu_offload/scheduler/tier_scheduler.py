@@ -127,8 +127,7 @@ class HostTierScheduler:
         if null is not None:
             self._null_block_id = null.block_id
 
-    # ---- lookups and loads
-    # -------------------------------------------------------------
+    # ---- lookups and loads ----
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -201,8 +200,8 @@ class HostTierScheduler:
         hashes = request.block_hashes
         k = self.k
         if first:
-            # Device hits are uses of the host copies too: the policy keeps the chain
-            # warm.
+            # Device hits are uses of the host copies too: the policy keeps
+            # the chain warm.
             self.pool.touch(self._needed_keys(hashes, 0, first // k * k))
         if num_external_tokens == 0:
             return
@@ -212,9 +211,8 @@ class HostTierScheduler:
         assert end % k == 0, "a host hit ends at a host block's end"
         null = self._null_block_id
         keys: list[BlockKey] = []
-        spans: list[
-            tuple[int, list[int]]
-        ] = []  # per key: its group, the blocks it loads
+        # Per key: its group, and the blocks it loads.
+        spans: list[tuple[int, list[int]]] = []
         for group in self.groups:
             ids = device_block_ids[group.group_id]
             start = max(first, group.first_needed_block(end, self.block_size))
@@ -244,8 +242,7 @@ class HostTierScheduler:
         self.stats.hit_tokens += num_external_tokens
         self.stats.loaded_blocks += len(device_ids)
 
-    # ---- the step's metadata
-    # -----------------------------------------------------------
+    # ---- the step's metadata ----
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
@@ -261,8 +258,8 @@ class HostTierScheduler:
         self.stats.preempted_requests += len(meta.preempted_req_ids)
         for req_id in meta.preempted_req_ids:
             if (state := self._requests.get(req_id)) is not None:
-                # Its device blocks are gone; on resume, the lookup finds what was
-                # stored.
+                # Its device blocks are gone; on resume, the lookup finds
+                # what was stored.
                 state.planned_upto = 0
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
@@ -329,8 +326,7 @@ class HostTierScheduler:
         state.store_jobs.add(job)
         return BlockTransfer(job, device_ids, slots, req_id=request.request_id)
 
-    # ---- completions
-    # -------------------------------------------------------------------
+    # ---- completions ----
 
     def update_connector_output(self, report: OffloadWorkerReport | None) -> set[str]:
         """Finished stores become visible; finished loads unpin their host blocks.
@@ -397,8 +393,7 @@ class HostTierScheduler:
                 self.stats.evicted_blocks += len(event.keys) * self.k
         return events
 
-    # ---- helpers
-    # -----------------------------------------------------------------------
+    # ---- helpers ----
 
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)

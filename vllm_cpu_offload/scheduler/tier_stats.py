@@ -19,8 +19,8 @@ class TierStats:
     failed_loads: int = 0
     failed_stores: int = 0
     preempted_requests: int = 0
-    # Device blocks stored / loaded per KV cache group (vLLM's hybrid manager has
-    # several).
+    # Device blocks stored / loaded per KV cache group (vLLM's hybrid
+    # manager has several).
     stored_by_group: Counter[int] = field(default_factory=Counter)
     loaded_by_group: Counter[int] = field(default_factory=Counter)
 

@@ -42,8 +42,8 @@ class TinyLlamaShape:
     max_position_embeddings: int = 16384
     seed: int = 0
     # Gemma-2 style when set: even layers attend to a sliding window of this many
-    # tokens, odd layers to the whole context, and vLLM's hybrid KV cache manager makes
-    # two groups.
+    # tokens, odd layers to the whole context, and vLLM's hybrid KV cache manager
+    # makes two groups.
     sliding_window: int | None = None
 
     @property
@@ -195,8 +195,8 @@ def _write_weights(folder: Path, shape: TinyLlamaShape) -> None:
             p + "mlp.up_proj.weight": rand(i, h),
             p + "mlp.down_proj.weight": rand(h, i),
         }
-    # The extra words' rows come last from the generator: every other weight is
-    # unchanged.
+    # The extra words' rows come last from the generator: every other
+    # weight is unchanged.
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         tensors[name] = torch.cat([tensors[name], rand(len(EXTRA_WORDS), h)])
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -84,9 +84,8 @@ class HostBuffer:
         self.pinned = not on_device and (
             torch.cuda.is_available() if pin is None else pin
         )
-        if (
-            on_device
-        ):  # staging, not --swap-space: an allocation error speaks for itself
+        # Staging, not --swap-space: an allocation error speaks for itself.
+        if on_device:
             shape = (num_host_blocks, self.block_bytes)
             self.tensor = torch.empty(shape, dtype=torch.uint8, device=device)
         elif data_file is not None:

@@ -49,8 +49,8 @@ class HostTierWorker:
         self.copy_backend = copy_backend
         self.copier_candidates = copier_candidates
         self.num_device_blocks = num_device_blocks
-        # With --swap-space-path the host buffer is this file, mapped; else anonymous
-        # memory.
+        # With --swap-space-path the host buffer is this file, mapped;
+        # else anonymous memory.
         self.data_file = data_file
         self.engine: TransferEngine | None = None
         self._step_stores: list[BlockTransfer] = []
@@ -165,8 +165,8 @@ class HostTierWorker:
         for job_id in finished.failed:
             self._report.failed.add(job_id)
             if job_id in self._load_device_blocks:
-                # vLLM recomputes the tokens of these blocks: a miss, never a wrong
-                # token.
+                # vLLM recomputes the tokens of these blocks: a miss, never
+                # a wrong token.
                 self._load_errors.update(self._load_device_blocks.pop(job_id))
             self._store_done(job_id)
         for job_id in (*finished.stores, *finished.loads):

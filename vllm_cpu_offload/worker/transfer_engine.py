@@ -127,9 +127,9 @@ class TransferEngine:
         self.host = host_buffer
         self._canonical = canonical_layers(kv_caches)
         self._layers = list(dict.fromkeys(self._canonical.values()))
-        # Layers writing each tensor: with the hybrid KV cache manager a tensor holds
-        # the blocks of one layer of every group, complete only once each of them has
-        # run.
+        # Layers writing each tensor: with the hybrid KV cache manager a tensor
+        # holds the blocks of one layer of every group, complete only once each of
+        # them has run.
         self._writers = Counter(self._canonical.values())
         self._fence_stores = fence_stores
         caches = {name: kv_caches[name] for name in self._layers}
@@ -197,8 +197,8 @@ class TransferEngine:
             # Blocks handed to these loads may still be read by earlier compute work.
             self._load_stream.wait_stream(compute)
             if loads_whole_blocks(self.copiers.loads):
-                # One call for every layer; each layer's event then marks the whole
-                # load.
+                # One call for every layer; each layer's event then marks
+                # the whole load.
                 if self._launch(self.copiers.loads, False, batch, None):
                     for name in self._layers:
                         self._load_events[name].record(self._load_stream)
@@ -250,8 +250,8 @@ class TransferEngine:
             return
         compute = torch.cuda.current_stream(self.device)
         if loads:
-            # Layers without a load hook (or a failed launch) still must not race
-            # compute.
+            # Layers without a load hook (or a failed launch) still must
+            # not race compute.
             compute.wait_stream(self._load_stream)
         for batch in loads:
             self._track(self._load_stream, batch, is_store=False)

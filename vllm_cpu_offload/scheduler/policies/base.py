@@ -70,8 +70,8 @@ class HostBlock:
         self.first_child: HostBlock | None = None
         self.next_sibling: HostBlock | None = None
         self.prev_sibling: HostBlock | None = None
-        # True when the block's chain has a gap above it: its parent key is not held
-        # here.
+        # True when the block's chain has a gap above it: its parent key is
+        # not held here.
         self.orphan = False
         self.prev: HostBlock = self
         self.next: HostBlock = self

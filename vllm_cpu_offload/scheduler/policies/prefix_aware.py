@@ -72,8 +72,8 @@ class PrefixAwarePolicy(EvictionPolicy):
         self._num_protected = 0
         self._history_factor = history_factor
         # Keyed by hash(key): one hash per insert serves the sample test and this
-        # look-up. Two keys with equal 64-bit hashes at worst recall a key that was
-        # never evicted.
+        # look-up. Two keys with equal 64-bit hashes at worst recall a key that
+        # was never evicted.
         self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(num_blocks * history_factor))
         self._duel = AdmissionDuel(num_blocks, history_factor, shadow_blocks)
@@ -290,8 +290,8 @@ class PrefixAwarePolicy(EvictionPolicy):
                 return
             self._protected.remove(demoted)
             self._set_segment(demoted, _PROBATION)
-            # Keep probation in stamp order: an old block goes to its head, not its
-            # tail.
+            # Keep probation in stamp order: an old block goes to its head,
+            # not its tail.
             head = self._probation.head
             if head is not None and demoted.stamp < head.stamp:
                 self._probation.appendleft(demoted)

@@ -25,8 +25,8 @@ from .base import EvictionPolicy
 
 ENTRY_POINT_GROUP = "vllm_cpu_offload.eviction_policies"
 
-# The built-in policies, registered here and nowhere else, as module:class paths in
-# this package.
+# The built-in policies, registered here and nowhere else, as module:class paths
+# in this package.
 BUILTIN_POLICIES: dict[str, str] = {
     "prefix_aware": f"{__package__}.prefix_aware:PrefixAwarePolicy",
     "lru": f"{__package__}.lru:LRUPolicy",

@@ -27,9 +27,9 @@ import torch
 # hand-offs once memory bandwidth is saturated.
 MAX_THREADS = 4
 
-# vLLM's CPU worker replaces `torch.set_num_threads` with a no-op that logs a warning
-# once it has bound its OpenMP threads. The setting is per calling thread, so call
-# ATen's.
+# vLLM's CPU worker replaces `torch.set_num_threads` with a no-op that logs a
+# warning once it has bound its OpenMP threads. The setting is per calling thread,
+# so call ATen's.
 set_threads = torch._C.set_num_threads
 
 Piece = TypeVar("Piece")
@@ -145,9 +145,8 @@ class CopyThreads:
         )
         pool = torch.get_num_threads()
         started = threading.Barrier(threads)
-        for _ in range(
-            threads - 1
-        ):  # each blocks until all have started: one thread each
+        # Each blocks until all have started: one thread each.
+        for _ in range(threads - 1):
             self._helpers.submit(started.wait)
         started.wait()
         set_threads(pool)  # the helpers' call also set ATen's default for new threads

@@ -71,8 +71,8 @@ class _Group:
         self.host_runs = (host_base[:, None] + runs * layout.chunk_bytes)[:, None, :]
         self.device_block_stride = layout.block_stride
         self.host_block_stride = host.block_bytes
-        # (device pitch, host pitch) when a block of every layer is one 2D copy, else
-        # None.
+        # (device pitch, host pitch) when a block of every layer is one 2D
+        # copy, else None.
         self.pitches: tuple[int, int] | None = None
         device_step, host_step = _step(device_addrs), _step(slots)
         one_run = layout.num_chunks == 1 and len(names) > 1
@@ -123,8 +123,8 @@ class DmaBlockCopier:
             n: (k, i) for k, g in enumerate(self._groups) for i, n in enumerate(g.names)
         }
         self._attrs = copy_attributes(index, buffer_on_device=host.tensor.is_cuda)
-        # Tables of the latest batches (a step's loads and stores): per-layer calls
-        # reuse them.
+        # Tables of the latest batches (a step's loads and stores): per-layer
+        # calls reuse them.
         self._cached: list[tuple[torch.Tensor, torch.Tensor, list[_Tables]]] = []
         # The runtime refuses batches on the legacy default stream; these never are.
         self._streams = [torch.cuda.Stream(self._device) for _ in range(NUM_STREAMS)]
@@ -211,8 +211,8 @@ class DmaBlockCopier:
         d = device_ids.to("cpu", torch.int64).reshape(-1)
         h = host_ids.to("cpu", torch.int64).reshape(-1)
         tables = [_Tables(g, d, h) for g in self._groups]
-        # Holding the id tensors keeps their identity from being reused by another
-        # batch.
+        # Holding the id tensors keeps their identity from being reused
+        # by another batch.
         self._cached = [
             (device_ids, host_ids, tables),
             *self._cached[: _CACHED_BATCHES - 1],

@@ -130,8 +130,8 @@ class StagedBlockCopier:
             raise RuntimeError("staged block copies need a pinned host buffer")
         self._runtime = runtime
         index = self._device.index if self._device.index is not None else 0
-        # In the PCIe hop, the staging buffer is the "device" side, the host buffer the
-        # host.
+        # In the PCIe hop, the staging buffer is the "device" side, the host
+        # buffer the host.
         self._attrs = copy_attributes(index)
         return DmaBlockCopier(kv_caches, host)
 

@@ -21,8 +21,8 @@ from vllm_cpu_offload.worker.copiers.cuda_runtime import (
     MemLocation,
 )
 
-# cudaMemcpySrcAccessOrderStream: the source is read in stream order, like
-# cudaMemcpyAsync.
+# cudaMemcpySrcAccessOrderStream: the source is read in stream
+# order, like cudaMemcpyAsync.
 _ACCESS_ORDER_STREAM = 1
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2
 # cudaMemcpyFlagPreferOverlapWithCompute: keep the copies off the SMs the forward uses.
