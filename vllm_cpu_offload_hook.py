@@ -49,9 +49,8 @@ def _apply() -> None:
         from vllm_cpu_offload.plugin import register
 
         register()
-    except (
-        Exception
-    ) as e:  # never break vLLM's import; vLLM's own plugin load says more
+    # Never break vLLM's import; vLLM's own plugin load says more.
+    except Exception as e:
         import warnings
 
         warnings.warn(
@@ -106,8 +105,7 @@ def install() -> None:
 def write_pth(site_dir: str | None = None) -> str:
     """Writes the .pth into `site_dir` (this interpreter's site-packages by default).
 
-    A wheel carries the .pth (setup.py); an editable install does not, so the
-    development environment writes it with this.
+    setup.py writes it into every wheel it builds, editable ones included.
     """
     import sysconfig
 

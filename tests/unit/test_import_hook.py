@@ -31,7 +31,8 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_pth_is_installed_in_this_environment() -> None:
-    # The development environment writes it (an editable install does not carry it).
+    # The development environment's editable install put it there (test_install.py
+    # checks both kinds of install).
     pth = Path(sysconfig.get_path("purelib")) / hook.PTH_NAME
     assert pth.read_text() == hook.PTH_LINE
 

@@ -3,9 +3,11 @@ behaviour on small scenarios, and what sets them apart from LRU."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
+from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool
 from vllm_cpu_offload.scheduler.policies import (
     ARCPolicy,
     LIRSPolicy,
@@ -197,3 +199,57 @@ def test_s3fifo_main_queue_gives_second_chances() -> None:
     pool.count_hits(["k1"])
     store(pool, ["y"])
     assert "k1" in pool and "k2" not in pool and "x" in pool
+
+
+# ----- bookkeeping under random traffic -----
+
+
+def _recount(pool: HostBlockPool) -> dict[str, int]:
+    policy = pool.policy
+    blocks = list(pool._by_key.values())
+    storing = [b for b in blocks if b.state is BlockState.STORING]
+    if isinstance(policy, ARCPolicy):
+        return {
+            "_n_t1": sum(b.segment == 1 for b in blocks),
+            "_n_t2": sum(b.segment == 2 for b in blocks),
+            "_t1_storing": sum(b.segment == 1 for b in storing),
+        }
+    if isinstance(policy, LIRSPolicy):
+        return {
+            "num_lir": sum(b.segment == 1 for b in blocks),
+            "_hir_storing": sum(b.segment == 2 for b in storing),
+        }
+    return {
+        "num_small": sum(b.segment == 1 for b in blocks),
+        "_small_storing": sum(b.segment == 1 for b in storing),
+    }
+
+
+@pytest.mark.parametrize("name", ["arc", "lirs", "s3fifo"])
+def test_segment_counts_match_the_blocks_under_random_traffic(name: str) -> None:
+    # Stores (some failing), loads, touches and resets at random: the policy's
+    # per-segment counts always equal a recount of the blocks.
+    rng = random.Random(7)
+    pool = HostBlockPool(16, make_policy(name, 16))
+    in_flight: list[list[int]] = []
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.4:
+            chain = rng.sample(range(60), rng.randint(1, 8))
+            allocated = pool.allocate_for_store(chain, None)
+            in_flight.append([key for key, _ in allocated])
+        elif op < 0.6 and in_flight:
+            keys = in_flight.pop(rng.randrange(len(in_flight)))
+            pool.complete_store(keys, rng.random() < 0.9)
+        elif op < 0.8:
+            keys = rng.sample(range(60), 4)
+            hits = pool.count_hits(keys)
+            if hits:
+                pool.pin(keys[:hits])
+                pool.unpin(keys[:hits])
+        elif op < 0.995:
+            pool.touch(rng.sample(range(60), 4))
+        else:
+            pool.reset()
+        counts = _recount(pool)
+        assert {k: getattr(pool.policy, k) for k in counts} == counts, step

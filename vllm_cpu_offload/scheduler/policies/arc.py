@@ -9,6 +9,9 @@ victim comes from T1 while T1 holds more than `p` blocks, otherwise from T2.
 The pool asks `admit` just before it asks for a victim, so that is where a ghost hit of
 the incoming key moves `p`, as ARC's REPLACE expects. Pinned blocks leave their list and
 come back at its tail (a load is a use); STORING blocks are listed only once READY.
+When T1 must pay but holds only blocks still being stored (a chain longer than T1's
+share), a new key is refused and goes to B1: ARC would have evicted the oldest of them,
+this chain's own, to take it (the chain's head stays, where ARC would keep its tail).
 Chain-blind, like `lru`.
 
 Cost: every hook O(1) per block. Memory: the lists live in the blocks themselves
@@ -22,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .base import BlockKey, BlockList, EvictionPolicy, HostBlock
+from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
 
 _T1 = 1  # resident, seen once since it came in
 _T2 = 2  # resident, used again while held
@@ -40,6 +43,7 @@ class ARCPolicy(EvictionPolicy):
         # Resident blocks per segment, listed or not (pinned, storing).
         self._n_t1 = 0
         self._n_t2 = 0
+        self._t1_storing = 0  # blocks in T1 not READY yet
         self._b1: OrderedDict[int, None] = OrderedDict()
         self._b2: OrderedDict[int, None] = OrderedDict()
         self.p = 0.0  # target size of T1
@@ -52,9 +56,26 @@ class ARCPolicy(EvictionPolicy):
 
     def admit(self, key: BlockKey) -> bool:
         h = hash(key)
-        self._adapted = h if self._adapt(h) else None
+        recalled = self._adapt(h)
+        self._adapted = h if recalled else None
         self._incoming_b2 = h in self._b2
-        return True
+        if (
+            recalled
+            or self._t1.head is not None
+            or not self._t1_storing
+            or not self._from_t1()
+        ):
+            return True
+        # T1 is over its target but holds only blocks still being stored (or pinned):
+        # ARC would evict the oldest of them, this chain's own, to take the key.
+        # Refusing it keeps T1's shape, and the key goes to B1 as that eviction would
+        # send it.
+        self.on_declined(key)
+        return False
+
+    def on_declined(self, key: BlockKey) -> None:
+        self._b1[hash(key)] = None
+        self._trim_ghosts()
 
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
         b1, b2 = self._b1, self._b2
@@ -70,13 +91,18 @@ class ARCPolicy(EvictionPolicy):
             else:
                 block.segment = _T1
                 self._n_t1 += 1
+                self._t1_storing += 1
         self._adapted = None
         self._trim_ghosts()
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
         t1, t2 = self._t1, self._t2
         for block in blocks:
-            (t2 if block.segment == _T2 else t1).append(block)
+            if block.segment == _T2:
+                t2.append(block)
+            else:
+                t1.append(block)
+                self._t1_storing -= 1
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
         t1, t2 = self._t1, self._t2
@@ -107,13 +133,14 @@ class ARCPolicy(EvictionPolicy):
             block.owner.remove(block)
         if block.segment == _T1:
             self._n_t1 -= 1
+            if block.state is BlockState.STORING:
+                self._t1_storing -= 1
         elif block.segment == _T2:
             self._n_t2 -= 1
         block.segment = 0
 
     def pop_victim(self) -> HostBlock | None:
-        n_t1 = self._n_t1
-        from_t1 = n_t1 > self.p or (self._incoming_b2 and n_t1 >= self.p)
+        from_t1 = self._from_t1()
         self._incoming_b2 = False
         first, second = (self._t1, self._t2) if from_t1 else (self._t2, self._t1)
         victim = first.head or second.head
@@ -138,6 +165,11 @@ class ARCPolicy(EvictionPolicy):
         self._incoming_b2 = False
 
     # ----- internals -----
+
+    def _from_t1(self) -> bool:
+        """ARC's REPLACE: whether T1 pays for the incoming key."""
+        n_t1 = self._n_t1
+        return n_t1 > self.p or (self._incoming_b2 and n_t1 >= self.p)
 
     def _adapt(self, h: int) -> bool:
         """Moves `p` for a ghost hit on `h`; returns whether it was one."""

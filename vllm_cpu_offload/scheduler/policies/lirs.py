@@ -18,8 +18,12 @@ that fall below S's bottom are stale; a look-up ignores them, and evictions drop
 from the front of the history.
 
 The pool's hooks: pinned blocks leave their list and come back at its tail (a load is a
-use); STORING blocks are listed only once READY; when every HIR block is pinned, the
-oldest LIR block goes. Chain-blind, like `lru`.
+use); STORING blocks are listed only once READY. When every resident HIR block is still
+being stored (a chain longer than Q), a new key is refused and remembered as a
+non-resident HIR block: LIRS would have evicted the oldest of them, this chain's own
+blocks, to take it, so the resident set keeps its shape (the chain's head stays, where
+LIRS would keep its tail). When every HIR block is pinned, the oldest LIR block goes.
+Chain-blind, like `lru`.
 
 Cost: every hook O(1) per block (amortised: stale history entries are dropped at most
 once each). Memory: the lists live in the blocks (`segment`, `stamp`, links); the
@@ -33,7 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .base import BlockList, EvictionPolicy, HostBlock
+from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
 
 _LIR = 1
 _HIR = 2  # resident HIR: in the queue Q
@@ -56,12 +60,31 @@ class LIRSPolicy(EvictionPolicy):
         self._lir = BlockList()  # LRU order: the head is the bottom of S
         self._queue = BlockList()  # resident HIR blocks, FIFO: the head goes next
         self.num_lir = 0  # listed or not (pinned, storing)
+        self._hir_storing = 0  # HIR blocks not READY yet
         self._clock = 0  # use stamps: a counter, never wall-clock time
         # Non-resident HIR blocks in S: key hash -> stamp of the last use.
         self._history: OrderedDict[int, int] = OrderedDict()
         self._history_cap = int(num_blocks * history_factor)
 
     # ----- hooks -----
+
+    def admit(self, key: BlockKey) -> bool:
+        if self._queue.size or not self._hir_storing:
+            return True
+        h = hash(key)
+        last = self._history.get(h)
+        if last is not None and last > self._bottom():
+            return True  # becomes LIR: the oldest LIR block makes the room
+        # Every resident HIR block is still being stored (or pinned): LIRS would have
+        # made this block a resident HIR and evicted the oldest of them, this chain's
+        # own. Refusing it keeps the same number of HIR blocks, and it is remembered
+        # as a non-resident HIR block, as LIRS would have it after that eviction.
+        self.on_declined(key)
+        return False
+
+    def on_declined(self, key: BlockKey) -> None:
+        self._clock += 1
+        self._remember(hash(key), self._clock)
 
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
         history = self._history
@@ -77,13 +100,18 @@ class LIRSPolicy(EvictionPolicy):
                 self.num_lir += 1
             else:
                 block.segment = _HIR
+                self._hir_storing += 1
         self._clock = clock
         self._demote()
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
         lir, queue = self._lir, self._queue
         for block in blocks:
-            (lir if block.segment == _LIR else queue).append(block)
+            if block.segment == _LIR:
+                lir.append(block)
+            else:
+                queue.append(block)
+                self._hir_storing -= 1
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
         lir, queue = self._lir, self._queue
@@ -123,6 +151,8 @@ class LIRSPolicy(EvictionPolicy):
             block.owner.remove(block)
         if block.segment == _LIR:
             self.num_lir -= 1
+        elif block.state is BlockState.STORING:
+            self._hir_storing -= 1
         block.segment = 0
 
     def pop_victim(self) -> HostBlock | None:

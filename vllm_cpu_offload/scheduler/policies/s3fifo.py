@@ -11,7 +11,10 @@ found in G enters M directly.
 
 FIFO order must survive loads, so a pin does not move a block: a pinned block found at
 the head of a queue is parked (unlisted) and returns to that head when unpinned, since
-it was older than everything listed. STORING blocks are listed only once READY.
+it was older than everything listed. STORING blocks are listed only once READY. When S
+is full of blocks still being stored (a chain longer than S), a new key is refused and
+goes to G: S3-FIFO would have evicted the oldest of them, this chain's own, to take it,
+so S keeps its share (holding the chain's head, where S3-FIFO would hold its tail).
 Chain-blind, like `lru`.
 
 Cost: every hook O(1) per block; `pop_victim` is amortised O(1): each reinsertion
@@ -26,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .base import BlockList, BlockState, EvictionPolicy, HostBlock
+from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
 
 _SMALL = 1
 _MAIN = 2
@@ -46,10 +49,27 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small = BlockList()
         self._main = BlockList()
         self.num_small = 0  # blocks in S, listed or not (parked, storing)
+        self._small_storing = 0  # blocks in S not READY yet
         self._ghost: OrderedDict[int, None] = OrderedDict()
         self._ghost_cap = max(0, num_blocks - self.small_cap)
 
     # ----- hooks -----
+
+    def admit(self, key: BlockKey) -> bool:
+        if self._small.size or self.num_small < self.small_cap:
+            return True
+        if not self._small_storing:
+            return True  # S is parked by loads, not filled by this store
+        if hash(key) in self._ghost:
+            return True  # enters M, which makes the room
+        # S is full of blocks still being stored (or parked): S3-FIFO would evict the
+        # oldest of them, this chain's own, to take the key. Refusing it keeps S's
+        # shape, and the key goes to G as such an eviction would send it.
+        self.on_declined(key)
+        return False
+
+    def on_declined(self, key: BlockKey) -> None:
+        self._remember(hash(key))
 
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
         ghost = self._ghost
@@ -62,12 +82,17 @@ class S3FIFOPolicy(EvictionPolicy):
             else:
                 block.segment = _SMALL
                 self.num_small += 1
+                self._small_storing += 1
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
         small, main = self._small, self._main
         # Deepest first, as the pool reports them: descendants leave before ancestors.
         for block in blocks:
-            (main if block.segment == _MAIN else small).append(block)
+            if block.segment == _MAIN:
+                main.append(block)
+            else:
+                small.append(block)
+                self._small_storing -= 1
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
         for block in blocks:
@@ -86,6 +111,8 @@ class S3FIFOPolicy(EvictionPolicy):
             block.owner.remove(block)
         if block.segment == _SMALL:
             self.num_small -= 1
+            if block.state is BlockState.STORING:
+                self._small_storing -= 1
         block.segment = 0
 
     def pop_victim(self) -> HostBlock | None:
