@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA machine (vLLM not needed): the transfer tests (every backend's start-up on a
 # restored tier among them: tests/kernels/test_restored_tier_start_up.py), then the
-# transfer benchmark with every copier, staged ones at several chunk sizes. Logs and JSON go to $OUT (or
-# benchmarks/results). One run of this is the whole GPU check of the transfer engine.
+# transfer benchmark with every copier, staged ones at several chunk sizes. Logs and
+# JSON go to $OUT (or benchmarks/results). One run of this is the whole GPU check of the transfer engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
