@@ -1,0 +1,73 @@
+"""What the host tier asks of a store shared by every engine of a fleet.
+
+A store holds values by string key. The host tier writes each block it stores to the
+store too (write-through) and, on a lookup past the device and host hits, asks which of
+the following blocks the store holds and fetches them into host memory. Every call is
+batched and bounded by a timeout: a store that is slow, full or gone costs a miss, never
+a hang.
+
+A value is given and received as spans of host memory (`Span`: an address and a size),
+so that a backend may move bytes without a copy (Mooncake Store reads and writes
+registered host memory directly); a backend that needs bytes copies them.
+
+Imports the standard library only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class RemoteStoreError(RuntimeError):
+    """A call to the store failed as a whole (unreachable, timed out, refused)."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """`size` bytes of host memory at `address`."""
+
+    address: int
+    size: int
+
+
+class RemoteStore(ABC):
+    """A shared key-value store of KV blocks, as the host tier uses it.
+
+    Implementations are used from one thread at a time per instance, and must bound
+    every call by `timeout_s` (raise `RemoteStoreError` past it).
+    """
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str], timeout_s: float) -> list[bool]:
+        """Whether the store holds each key now."""
+
+    @abstractmethod
+    def put(
+        self, keys: Sequence[str], values: Sequence[Sequence[Span]], timeout_s: float
+    ) -> list[bool]:
+        """Stores each key's value, the concatenation of its spans; True where stored.
+
+        A key the store holds already may be kept as it is (values are immutable by
+        construction: a key names its bytes). A full store refuses (False).
+        """
+
+    @abstractmethod
+    def get(
+        self, keys: Sequence[str], into: Sequence[Sequence[Span]], timeout_s: float
+    ) -> list[bool]:
+        """Reads each key's value into its spans, in order; True where the value was
+        found and filled the spans exactly (a missing key or another length: False)."""
+
+    def register(self, span: Span) -> None:  # noqa: B027 - optional hook
+        """Host memory that later calls will name in spans (a backend that moves bytes
+        without a copy registers it once)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases connections; later calls may fail."""
+
+    @property
+    @abstractmethod
+    def description(self) -> str:
+        """Where the store is, for the log (never a secret)."""
