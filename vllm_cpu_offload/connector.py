@@ -354,7 +354,9 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._publish_events:
             return ()
         sched = self._sched()
-        return list(to_kv_events(events, sched.block_size * sched.k))
+        return list(
+            to_kv_events(events, sched.block_size * sched.blocks_per_host_block)
+        )
 
     @override
     def reset_cache(self) -> bool | None:

@@ -98,8 +98,10 @@ class HostTierScheduler:
         # k: a host block holds k consecutive device blocks of a request, keyed by the
         # hash of its last one (which covers the whole prefix). Host block h occupies
         # the worker's host slots [h * k, h * k + k). Windowed groups need k = 1.
-        self.k = blocks_per_host_block
-        assert self.k == 1 or all(g.is_full for g in groups), (
+        # Locals: `k` is this number, `hb` a host block's index in its request, `hbs`
+        # a number of host blocks.
+        self.blocks_per_host_block = blocks_per_host_block
+        assert self.blocks_per_host_block == 1 or all(g.is_full for g in groups), (
             "k > 1 needs full attention"
         )
         self.groups = tuple(groups)
@@ -134,34 +136,32 @@ class HostTierScheduler:
     ) -> int:
         """Tokens past the device hit that the host tier holds, in whole blocks."""
         state = self._state(request)
-        k = self.k
+        k = self.blocks_per_host_block
         first = num_computed_tokens // self.block_size
         # At least one token must be computed to sample from. A host block is looked up
         # by its last device block's hash, so only host blocks that end by `last` count.
         last = min(
             len(request.block_hashes), (request.num_tokens - 1) // self.block_size
         )
-        first_unit, last_unit = first // k, last // k
+        first_hb, last_hb = first // k, last // k
         hits = 0
-        if last_unit > first_unit:
+        if last_hb > first_hb:
             hashes = request.block_hashes
             if self._single_full_group:
-                units = self.pool.count_hits(
-                    self._keys(0, hashes, first_unit, last_unit)
-                )
+                hbs = self.pool.count_hits(self._keys(0, hashes, first_hb, last_hb))
             else:
-                units = longest_hit(
+                hbs = longest_hit(
                     self.groups,
                     self.block_size * k,
-                    first_unit,
-                    last_unit,
+                    first_hb,
+                    last_hb,
                     self._is_ready(hashes),
                 )
-                if units:
-                    end = (first_unit + units) * k
+                if hbs:
+                    end = (first_hb + hbs) * k
                     self.pool.touch(self._needed_keys(hashes, first, end))
-            if units:
-                hits = (first_unit + units) * k - first
+            if hbs:
+                hits = (first_hb + hbs) * k - first
         state.lookup = (first, hits)
         self.stats.lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
         return hits * self.block_size
@@ -169,9 +169,9 @@ class HostTierScheduler:
     def _is_ready(self, hashes: Sequence[Any]) -> Callable[[int, int], bool]:
         state_of = self.pool.state_of
         ready = BlockState.READY
-        k = self.k
-        return lambda group_id, u: (
-            state_of((group_id, hashes[(u + 1) * k - 1])) is ready
+        k = self.blocks_per_host_block
+        return lambda group_id, hb: (
+            state_of((group_id, hashes[(hb + 1) * k - 1])) is ready
         )
 
     def _needed_keys(
@@ -182,7 +182,12 @@ class HostTierScheduler:
         keys: list[BlockKey] = []
         for group in self.groups:
             start = max(first, group.first_needed_block(end, self.block_size))
-            keys += self._keys(group.group_id, hashes, start // self.k, end // self.k)
+            keys += self._keys(
+                group.group_id,
+                hashes,
+                start // self.blocks_per_host_block,
+                end // self.blocks_per_host_block,
+            )
         return keys
 
     def update_state_after_alloc(
@@ -198,7 +203,7 @@ class HostTierScheduler:
         state = self._state(request)
         first, hits = state.lookup
         hashes = request.block_hashes
-        k = self.k
+        k = self.blocks_per_host_block
         if first:
             # Device hits are uses of the host copies too: the policy keeps
             # the chain warm.
@@ -216,14 +221,12 @@ class HostTierScheduler:
         for group in self.groups:
             ids = device_block_ids[group.group_id]
             start = max(first, group.first_needed_block(end, self.block_size))
-            for unit in range(start // k, end // k):
+            for hb in range(start // k, end // k):
                 span = [
-                    j
-                    for j in range(max(unit * k, start), unit * k + k)
-                    if ids[j] != null
+                    j for j in range(max(hb * k, start), hb * k + k) if ids[j] != null
                 ]
                 if span:
-                    keys.append((group.group_id, hashes[unit * k + k - 1]))
+                    keys.append((group.group_id, hashes[hb * k + k - 1]))
                     spans.append((group.group_id, span))
         device_ids: list[int] = []
         slots: list[int] = []
@@ -273,18 +276,18 @@ class HostTierScheduler:
         self, state: _RequestState, num_scheduled: int
     ) -> BlockTransfer | None:
         request = state.request
-        k = self.k
-        full_units = (
+        k = self.blocks_per_host_block
+        full_hbs = (
             min(
                 len(request.block_hashes),
                 (request.num_computed_tokens + num_scheduled) // self.block_size,
             )
             // k
         )
-        first_unit = state.planned_upto // k  # planned_upto is a host block boundary
-        if full_units <= first_unit:
+        first_hb = state.planned_upto // k  # planned_upto is a host block boundary
+        if full_hbs <= first_hb:
             return None
-        state.planned_upto = full_units * k
+        state.planned_upto = full_hbs * k
         hashes = request.block_hashes
         block_ids = self._kv_cache_manager.get_block_ids(request.request_id)
         null = self._null_block_id
@@ -297,27 +300,27 @@ class HostTierScheduler:
             # Runs of host blocks whose device blocks the group still holds: a window
             # group may have released the oldest ones (its null block) when the request
             # resumed past its window.
-            u = first_unit
-            while u < full_units:
-                while u < full_units and null in ids[u * k : u * k + k]:
-                    u += 1
-                start = u
-                while u < full_units and null not in ids[u * k : u * k + k]:
-                    u += 1
-                if start == u:
+            end = first_hb
+            while end < full_hbs:
+                while end < full_hbs and null in ids[end * k : end * k + k]:
+                    end += 1
+                start = end
+                while end < full_hbs and null not in ids[end * k : end * k + k]:
+                    end += 1
+                if start == end:
                     continue
-                keys = self._keys(group.group_id, hashes, start, u)
+                keys = self._keys(group.group_id, hashes, start, end)
                 parent = (group.group_id, hashes[start * k - 1]) if start > 0 else None
                 got = self.pool.allocate_for_store(keys, parent)
                 index = {key: start + n for n, key in enumerate(keys)}
-                units = [index[key] for key, _ in got]
-                for unit, (_, host_id) in zip(units, got, strict=True):
-                    device_ids += ids[unit * k : unit * k + k]
+                got_hbs = [index[key] for key, _ in got]
+                for hb, (_, host_id) in zip(got_hbs, got, strict=True):
+                    device_ids += ids[hb * k : hb * k + k]
                     slots += range(host_id * k, host_id * k + k)
                 allocated += got
                 if stored is not None and got:
                     stored += stored_runs(
-                        request, group.group_id, units, self.block_size, k
+                        request, group.group_id, got_hbs, self.block_size, k
                     )
         if not allocated:
             return None
@@ -361,10 +364,10 @@ class HostTierScheduler:
             return
         self.pool.complete_store(job.keys, success, job.stored)
         if success:
-            self.stats.stored_blocks += len(job.keys) * self.k
+            self.stats.stored_blocks += len(job.keys) * self.blocks_per_host_block
             stored = self.stats.stored_by_group
             for key in job.keys:
-                stored[cast(tuple[int, Any], key)[0]] += self.k
+                stored[cast(tuple[int, Any], key)[0]] += self.blocks_per_host_block
         else:
             self.stats.failed_stores += 1
         state = self._requests.get(job.req_id)
@@ -390,7 +393,9 @@ class HostTierScheduler:
         events = self.pool.take_events()
         for event in events:
             if event.kind == "evicted":
-                self.stats.evicted_blocks += len(event.keys) * self.k
+                self.stats.evicted_blocks += (
+                    len(event.keys) * self.blocks_per_host_block
+                )
         return events
 
     # ---- helpers ----
@@ -405,15 +410,14 @@ class HostTierScheduler:
         self,
         group_id: int,
         block_hashes: Sequence[Any],
-        first_unit: int,
-        last_unit: int,
+        first_hb: int,
+        last_hb: int,
     ) -> list[BlockKey]:
-        """The keys of host blocks [first_unit, last_unit): each one's last device
+        """The keys of host blocks [first_hb, last_hb): each one's last device
         block."""
-        k = self.k
+        k = self.blocks_per_host_block
         return [
-            (group_id, block_hashes[u * k + k - 1])
-            for u in range(first_unit, last_unit)
+            (group_id, block_hashes[hb * k + k - 1]) for hb in range(first_hb, last_hb)
         ]
 
     def _new_job(
