@@ -27,3 +27,36 @@ class BlockTransfer:
     device_block_ids: Sequence[int]
     host_block_ids: Sequence[int]
     req_id: str = ""
+
+
+@dataclass(frozen=True)
+class RemoteBlocks:
+    """Host blocks `host_blocks[i]` <-> the shared store's `keys[i]` (the rank-free
+    part of each key: every worker adds its own rank)."""
+
+    job_id: int
+    keys: Sequence[str]
+    host_blocks: Sequence[int]
+
+
+@dataclass(frozen=True)
+class AsyncLoad:
+    """A hit that spans steps: some of its blocks are fetched from the shared store
+    into host memory first, then every block of the hit is loaded.
+
+    Attributes:
+        load: every (device block, host slot) pair of the hit, those already in host
+            memory first, then those of the fetched host blocks in order.
+        fetch: the host blocks to fill from the store (`fetch.job_id == load.job_id`).
+        fetched_from: the index in `load`'s pairs where the fetched blocks' pairs start;
+            a pair from there on is loaded only if its host block and every fetched
+            one before it arrived.
+        unloadable: device blocks of the hit that got no host block; vLLM recomputes
+            them.
+
+    """
+
+    load: BlockTransfer
+    fetch: RemoteBlocks
+    fetched_from: int
+    unloadable: Sequence[int] = ()

@@ -32,6 +32,10 @@ DEFAULT_EVICTION_POLICY = "prefix_aware"
 COPY_BACKENDS = ("auto", "triton", "dma", "staged")
 DEFAULT_COPY_BACKEND = "auto"
 
+# Every call to a shared store is bounded by this (lookups, writes, fetches): a store
+# that does not answer in time costs a miss. Generous for a loaded loopback store.
+DEFAULT_REMOTE_TIMEOUT_S = 2.0
+
 
 def names_our_connector(kv_transfer_config: Any) -> bool:
     """Whether a vLLM `kv_transfer_config` (or None) selects this connector."""
@@ -56,6 +60,9 @@ class OffloadConfig:
         swap_space_path: a directory where the host tier lives in memory-mapped files
             with its index, so that a restarted engine serves the blocks (persist/);
             None: the tier is anonymous memory, lost with the engine.
+        remote_url: a store shared by every engine behind host memory (remote/):
+            `mooncake://`, `redis://`, `rediss://` or a user's backend; None: none.
+        remote_timeout_s: the bound of every call to that store, in seconds.
 
     """
 
@@ -64,6 +71,8 @@ class OffloadConfig:
     copy_backend: str = DEFAULT_COPY_BACKEND
     offload_block_size: int | None = None
     swap_space_path: str | None = None
+    remote_url: str | None = None
+    remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S
 
     @property
     def swap_space_bytes(self) -> int:
@@ -79,6 +88,10 @@ class OffloadConfig:
             extra["offload_block_size"] = self.offload_block_size
         if self.swap_space_path is not None:
             extra["swap_space_path"] = self.swap_space_path
+        if self.remote_url is not None:
+            extra["remote_url"] = self.remote_url
+        if self.remote_timeout_s != DEFAULT_REMOTE_TIMEOUT_S:
+            extra["remote_timeout_s"] = self.remote_timeout_s
         return extra
 
     def blocks_per_host_block(self, block_size: int) -> int:
@@ -105,6 +118,8 @@ class OffloadConfig:
             "copy_backend",
             "offload_block_size",
             "swap_space_path",
+            "remote_url",
+            "remote_timeout_s",
         )
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
@@ -136,12 +151,31 @@ class OffloadConfig:
                 f"of the block size (e.g. 64), got {size!r}"
             )
         path = extra.get("swap_space_path")
+        url = extra.get("remote_url")
+        if url is not None and (not isinstance(url, str) or not url.strip()):
+            raise OffloadConfigError(
+                "remote_url must be a store URL (e.g. mooncake://10.0.0.5:50051), "
+                f"got {url!r}"
+            )
+        timeout = extra.get("remote_timeout_s", DEFAULT_REMOTE_TIMEOUT_S)
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise OffloadConfigError(
+                "remote_timeout_s must be a positive number of seconds (e.g. 2), got "
+                f"{timeout!r}"
+            )
         return cls(
             swap_space_gib=swap,
             eviction_policy=policy,
             copy_backend=backend,
             offload_block_size=size,
             swap_space_path=None if path is None else parse_swap_space_path(path),
+            remote_url=url,
+            remote_timeout_s=float(timeout),
         )
 
 

@@ -38,11 +38,14 @@ from vllm_cpu_offload.persist.fingerprint import (
     tier_fingerprint,
     worker_names,
 )
+from vllm_cpu_offload.remote.namespace import namespace_of
+from vllm_cpu_offload.remote.registry import open_store
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
 from vllm_cpu_offload.scheduler.policies import make_policy
+from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
-from vllm_cpu_offload.worker.tier_worker import HostTierWorker
+from vllm_cpu_offload.worker.tier_worker import HostTierWorker, RemoteSettings
 
 # Under vLLM's logger, so that its handler and format show these lines as vLLM's own.
 logger = init_logger("vllm.cpu_offload")
@@ -157,6 +160,10 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             else {}
         )
         self._index: BlockIndex | None = None
+        url = self.offload_config.remote_url
+        timeout_s = self.offload_config.remote_timeout_s
+        namespace = namespace_of(vllm_config, self.kv_groups, k) if url else ""
+        self._remote_lookup: RemoteLookup | None = None
         if role == KVConnectorRole.SCHEDULER:
             if len(self.kv_groups) > 1:
                 logger.info(
@@ -175,6 +182,16 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             if self._index is not None:
                 adopted = pool.restore((b.host_id, b.key, b.parent) for b in restored)
                 _log_restore(self._index, adopted)
+            if url is not None:
+                store = open_store(url, role="scheduler")
+                self._remote_lookup = RemoteLookup(
+                    store, worker_names(vllm_config), timeout_s=timeout_s
+                )
+                logger.info(
+                    "CPU offload shared tier: %s, namespace %s",
+                    store.description,
+                    namespace,
+                )
             parallel = vllm_config.parallel_config
             self.scheduler = HostTierScheduler(
                 pool,
@@ -185,6 +202,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=self.kv_groups,
                 record_stored_blocks=self._publish_events,
                 blocks_per_host_block=k,
+                remote=self._remote_lookup,
+                namespace=namespace,
             )
         else:
             self.worker = HostTierWorker(
@@ -196,6 +215,17 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     else None
                 ),
                 copy_backend=self.offload_config.copy_backend,
+                blocks_per_host_block=k,
+                remote=(
+                    RemoteSettings(
+                        lambda: open_store(url, role="worker"),
+                        namespace,
+                        this_worker_name(),
+                        timeout_s,
+                    )
+                    if url is not None
+                    else None
+                ),
                 # A sliding-window group releases blocks while its request runs: a
                 # store still reading one must end before the next step's compute
                 # may reuse it.
@@ -257,7 +287,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        return self._work().get_finished(), None
+        return self._work().get_finished()
 
     @override
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -287,6 +317,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.shutdown()
         if self._index is not None:
             self._index.close()
+        if self._remote_lookup is not None:
+            self._remote_lookup.close()
 
     @classmethod
     @override
@@ -306,9 +338,9 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(
-            request, num_computed_tokens
-        ), False
+        sched = self._sched()
+        tokens = sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, sched.load_is_async(request)
 
     @override
     def update_state_after_alloc(

@@ -47,6 +47,7 @@ from vllm_cpu_offload.config import (
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.persist.directory import check_tier_directory, check_tier_fits
 from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
+from vllm_cpu_offload.remote.registry import check_remote_url
 from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
 
 # Every vLLM release the package is tested against (README: "Supported vLLM").
@@ -92,6 +93,7 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     enabled = bool(getattr(engine_args, "enable_cpu_offload", False))
     swap_space = getattr(engine_args, "swap_space", None)
     swap_space_path = getattr(engine_args, "swap_space_path", None)
+    swap_space_remote = getattr(engine_args, "swap_space_remote", None)
     ktc = engine_args.kv_transfer_config
     names_ours = names_our_connector(ktc)
     if not enabled:
@@ -105,6 +107,12 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
                 "--swap-space-path keeps the host KV tier in files and needs "
                 "--enable-cpu-offload; add --enable-cpu-offload or drop "
                 "--swap-space-path"
+            )
+        if swap_space_remote is not None:
+            raise OffloadConfigError(
+                "--swap-space-remote puts a shared store behind the host KV tier and "
+                "needs --enable-cpu-offload; add --enable-cpu-offload or drop "
+                "--swap-space-remote"
             )
         if not names_ours:
             return None
@@ -130,7 +138,10 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
             if swap_space_path is not None
             else base.swap_space_path
         )
-        config = dataclasses.replace(base, swap_space_gib=gib, swap_space_path=path)
+        url = swap_space_remote if swap_space_remote is not None else base.remote_url
+        config = dataclasses.replace(
+            base, swap_space_gib=gib, swap_space_path=path, remote_url=url
+        )
     if getattr(engine_args, "kv_offloading_size", None) is not None:
         raise OffloadConfigError(
             "--enable-cpu-offload cannot be combined with vLLM's own "
@@ -143,6 +154,8 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     resolve_policy(config.eviction_policy)
     if config.swap_space_path is not None:
         check_tier_directory(config.swap_space_path)
+    if config.remote_url is not None:
+        check_remote_url(config.remote_url)
     check_fits_in_host_memory(config, workers)
     return config
 
@@ -194,8 +207,17 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
             f"{model_config.model} has sliding-window or chunked attention layers; "
             "drop offload_block_size"
         )
+    hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
     if config.swap_space_path is not None:
-        check_stable_block_hashes(vllm_config.cache_config.prefix_caching_hash_algo)
+        check_stable_block_hashes(hash_algo, "--swap-space-path")
+    if config.remote_url is not None:
+        check_stable_block_hashes(hash_algo, "--swap-space-remote")
+        if windowed:
+            raise OffloadConfigError(
+                "--swap-space-remote serves models with full attention only, but "
+                f"{model_config.model} has sliding-window or chunked attention "
+                "layers; drop --swap-space-remote"
+            )
     if model_config.is_attention_free or model_config.is_hybrid:
         kind = (
             "attention-free" if model_config.is_attention_free else "hybrid state-space"
@@ -252,6 +274,15 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
         "with the "
         "same model and layout serves the blocks. Needs --enable-cpu-offload.",
     )
+    group.add_argument(
+        "--swap-space-remote",
+        type=str,
+        default=None,
+        help="A KV store shared by every engine, behind host memory: "
+        "mooncake://MASTER:PORT (Mooncake Store), redis://HOST:PORT or "
+        "rediss://HOST:PORT (Redis, Valkey; password from "
+        "VLLM_CPU_OFFLOAD_REMOTE_PASSWORD). Needs --enable-cpu-offload.",
+    )
 
 
 def applied() -> bool:
@@ -292,6 +323,7 @@ def apply() -> None:
         )
         engine_args.swap_space = getattr(args, "swap_space", None)
         engine_args.swap_space_path = getattr(args, "swap_space_path", None)
+        engine_args.swap_space_remote = getattr(args, "swap_space_remote", None)
         _from_cli.add(id(engine_args))
         weakref.finalize(engine_args, _from_cli.discard, id(engine_args))
         try:
@@ -336,11 +368,13 @@ def _wrap_init(original: Any) -> Any:
         enable_cpu_offload: bool = False,
         swap_space: float | str | None = None,
         swap_space_path: str | None = None,
+        swap_space_remote: str | None = None,
         **kwargs: Any,
     ) -> None:
         original(self, *args, **kwargs)
         self.enable_cpu_offload = enable_cpu_offload
         self.swap_space = swap_space
         self.swap_space_path = swap_space_path
+        self.swap_space_remote = swap_space_remote
 
     return __init__

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer, RemoteBlocks
 
 
 @dataclass
@@ -34,6 +34,10 @@ class OffloadStepMetadata(KVConnectorMetadata):
     delayed_free_req_ids: list[str] = field(default_factory=list)
     # Requests preempted this step: their device blocks may be reused at once.
     preempted_req_ids: list[str] = field(default_factory=list)
+    # With a shared store: hits that wait for blocks from it (they span steps), and
+    # the store jobs whose blocks each worker writes through once its store is done.
+    async_loads: list[AsyncLoad] = field(default_factory=list)
+    writes: list[RemoteBlocks] = field(default_factory=list)
 
 
 @dataclass
@@ -46,9 +50,27 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
 
     finished: Counter[int] = field(default_factory=Counter)
     failed: set[int] = field(default_factory=set)
+    # Async loads whose fetch ended: for each fetched host block, whether it arrived
+    # (on every worker that reported: an AND over workers), and the workers counted.
+    fetched: dict[int, list[bool]] = field(default_factory=dict)
+    fetch_reports: Counter[int] = field(default_factory=Counter)
+    # Store jobs whose write-through ended (stored, refused or dropped), per worker.
+    written: Counter[int] = field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerReport:
         assert isinstance(other, OffloadWorkerReport)
+        fetched = dict(self.fetched)
+        for job_id, arrived in other.fetched.items():
+            mine = fetched.get(job_id)
+            fetched[job_id] = (
+                list(arrived)
+                if mine is None
+                else [a and b for a, b in zip(mine, arrived, strict=True)]
+            )
         return OffloadWorkerReport(
-            self.finished + other.finished, self.failed | other.failed
+            self.finished + other.finished,
+            self.failed | other.failed,
+            fetched,
+            self.fetch_reports + other.fetch_reports,
+            self.written + other.written,
         )

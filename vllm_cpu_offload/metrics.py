@@ -40,6 +40,31 @@ COUNTERS = {
     ),
     "load_seconds": "Seconds the workers spent on loads.",
     "store_seconds": "Seconds the workers spent on stores.",
+    # The shared store of --swap-space-remote.
+    "remote_lookup_tokens": (
+        "Prompt tokens past the host hit that were looked up in the shared store."
+    ),
+    "remote_hit_tokens": "Prompt tokens loaded from the shared store.",
+    "remote_fetched_blocks": "Host blocks fetched from the shared store (all ranks).",
+    "remote_missed_blocks": (
+        "Host blocks the shared store held at lookup but that did not arrive."
+    ),
+    "remote_lookup_failures": "Lookups in the shared store that failed or timed out.",
+    "remote_written_blocks": "Block shards written through to the shared store.",
+    "remote_write_dropped_blocks": (
+        "Block shards not written to the shared store: the write queue was full."
+    ),
+    "remote_write_refused_blocks": "Block shards the shared store refused (full).",
+    "remote_write_failures": "Writes to the shared store that failed or timed out.",
+    "remote_fetch_failures": "Fetches from the shared store that failed or timed out.",
+    "remote_rejected_blocks": (
+        "Block shards read from the shared store and refused by their header or "
+        "checksum."
+    ),
+    "remote_bytes_in": "Bytes of KV read from the shared store.",
+    "remote_bytes_out": "Bytes of KV written to the shared store.",
+    "remote_fetch_seconds": "Seconds the workers waited on fetches from the store.",
+    "remote_fetch_calls": "Batched fetch calls to the shared store.",
 }
 # stats key -> help text; counters named PREFIX + "group_" + key, with a
 # `kv_cache_group` label. In the stats payload their increments travel
@@ -56,6 +81,8 @@ GAUGES = {
 
 _SCHEDULER_COUNTERS = (
     "lookup_tokens", "hit_tokens", "stored_blocks", "loaded_blocks", "evicted_blocks",
+    "remote_lookup_tokens", "remote_hit_tokens", "remote_fetched_blocks",
+    "remote_missed_blocks",
 )  # fmt: skip
 
 
@@ -92,6 +119,7 @@ class SchedulerStatsReporter:
         now["stored_bytes"] = stats.stored_bytes
         now["loaded_bytes"] = stats.loaded_bytes
         now["failed_transfers"] = stats.failed_loads + stats.failed_stores
+        now["remote_lookup_failures"] = stats.remote_lookup_failures
         for group_id, blocks in stats.stored_by_group.items():
             now[f"stored_blocks:{group_id}"] = blocks
         for group_id, blocks in stats.loaded_by_group.items():

@@ -226,14 +226,14 @@ def test_a_tier_larger_than_its_file_system_is_refused(tmp_path: Path) -> None:
 
 def test_per_process_seeded_hashes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    check_stable_block_hashes("sha256")
-    check_stable_block_hashes("sha256_cbor")
+    check_stable_block_hashes("sha256", "--swap-space-path")
+    check_stable_block_hashes("sha256_cbor", "--swap-space-path")
     with pytest.raises(
         OffloadConfigError, match="xxhash seeds them at random per process"
     ):
-        check_stable_block_hashes("xxhash")
+        check_stable_block_hashes("xxhash", "--swap-space-path")
     monkeypatch.setenv("PYTHONHASHSEED", "7")
-    check_stable_block_hashes("xxhash")
+    check_stable_block_hashes("xxhash", "--swap-space-path")
 
 
 def test_swap_space_path_round_trips_through_the_extra_config(tmp_path: Path) -> None:

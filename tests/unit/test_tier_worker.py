@@ -29,7 +29,7 @@ def _step(worker: HostTierWorker, meta: OffloadStepMetadata) -> set[str] | None:
         worker.wait_for_layer_load(f"l{i}")
         worker.save_layer(f"l{i}")
     worker.finish_step()
-    return worker.get_finished()
+    return worker.get_finished()[0]
 
 
 def test_store_then_load_round_trips_the_bytes_and_reports_both_jobs() -> None:

@@ -28,11 +28,12 @@ _PER_PROCESS_SEEDED = ("xxhash", "xxhash_cbor")
 _DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 
-def check_stable_block_hashes(hash_algo: str) -> None:
-    """Refuses a prefix-caching hash whose keys change from one process to the next."""
+def check_stable_block_hashes(hash_algo: str, flag: str) -> None:
+    """Refuses a prefix-caching hash whose keys change from one process to the next
+    (`flag` needs them stable)."""
     if hash_algo in _PER_PROCESS_SEEDED and os.getenv("PYTHONHASHSEED") is None:
         raise OffloadConfigError(
-            "--swap-space-path needs block hashes that are the same in every process, "
+            f"{flag} needs block hashes that are the same in every process, "
             f"but --prefix-caching-hash-algo {hash_algo} seeds them at random per "
             "process; use sha256 or sha256_cbor, or set PYTHONHASHSEED"
         )

@@ -34,8 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer, RemoteBlocks
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
+from vllm_cpu_offload.remote.namespace import block_key
 from vllm_cpu_offload.scheduler.block_pool import (
     BlockKey,
     BlockState,
@@ -47,6 +48,7 @@ from vllm_cpu_offload.scheduler.kv_groups import (
     KVGroup,
     longest_hit,
 )
+from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks, stored_runs
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
@@ -64,10 +66,13 @@ class _JobInFlight:
     """What the scheduler half settles when every worker has reported a job: the keys
     to unpin (load) or to make visible or free (store)."""
 
-    kind: Literal["load", "store"]
+    kind: Literal["load", "store", "async"]
     req_id: str
+    # load, async: the host blocks to unpin; store: the blocks to make visible or free
     keys: list[BlockKey]
     stored: list[StoredBlocks] | None = None  # for KV events, when they are on
+    # async: the host blocks the workers fill from the shared store, in order
+    fetched: list[BlockKey] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +82,13 @@ class _RequestState:
     planned_upto: int = 0
     # (first block, blocks) of the last lookup, for the load plan after allocation.
     lookup: tuple[int, int] = (0, 0)
+    # Of that lookup, with a shared store: (first host block, host blocks) it holds
+    # past the host hit. The hit then loads asynchronously, across steps.
+    remote_hit: tuple[int, int] | None = None
+    # The last question to the store: (first, end host block) -> its answer.
+    remote_asked: tuple[int, int, int] | None = None
+    # Jobs that read or write the request's device blocks (stores, async loads): its
+    # blocks outlive it until they are done.
     store_jobs: set[int] = field(default_factory=set)
 
 
@@ -92,6 +104,8 @@ class HostTierScheduler:
         groups: Sequence[KVGroup] = FULL_ATTENTION_ONLY,
         record_stored_blocks: bool = False,
         blocks_per_host_block: int = 1,
+        remote: RemoteLookup | None = None,
+        namespace: str = "",
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -117,6 +131,19 @@ class HostTierScheduler:
         self._reports: Counter[int] = Counter()
         self._next_job_id = 0
         self._step_loads: list[BlockTransfer] = []
+        # With a shared store (single full-attention group only): lookups past the host
+        # hit, write-through of every store, fetches that span steps.
+        self.remote = remote if self._single_full_group else None
+        self.namespace = namespace
+        self._step_async_loads: list[AsyncLoad] = []
+        self._step_writes: list[RemoteBlocks] = []
+        # async job -> for each fetched block, whether it arrived on every worker so
+        # far, and how many workers reported
+        self._fetch_results: dict[int, list[bool]] = {}
+        self._fetch_reports: Counter[int] = Counter()
+        # store job -> blocks pinned until every worker wrote them through
+        self._writing: dict[int, list[BlockKey]] = {}
+        self._write_reports: Counter[int] = Counter()
         # Finished requests whose device blocks wait for these store jobs, not yet
         # handed to the workers (that happens in the next step's metadata).
         self._awaiting_stores: dict[str, set[int]] = {}
@@ -145,6 +172,7 @@ class HostTierScheduler:
         )
         first_hb, last_hb = first // k, last // k
         hits = 0
+        state.remote_hit = None
         if last_hb > first_hb:
             hashes = request.block_hashes
             if self._single_full_group:
@@ -162,9 +190,44 @@ class HostTierScheduler:
                     self.pool.touch(self._needed_keys(hashes, first, end))
             if hbs:
                 hits = (first_hb + hbs) * k - first
+            if self.remote is not None:
+                start = first_hb + hbs
+                remote_hbs = self._remote_hits(state, start, last_hb)
+                if remote_hbs:
+                    state.remote_hit = (start, remote_hbs)
+                    hits = (start + remote_hbs) * k - first
         state.lookup = (first, hits)
         self.stats.lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
         return hits * self.block_size
+
+    def load_is_async(self, request: Request) -> bool:
+        """Whether the last lookup's hit waits for blocks from the shared store."""
+        state = self._requests.get(request.request_id)
+        return state is not None and state.remote_hit is not None
+
+    def _remote_hits(self, state: _RequestState, start: int, end: int) -> int:
+        """Host blocks [start, start + n) of the request that the shared store holds
+        and the pool does not (a block the pool holds, in any state, ends the run)."""
+        assert self.remote is not None
+        if state.remote_asked is not None and state.remote_asked[:2] == (start, end):
+            return state.remote_asked[2]
+        keys = self._keys(0, state.request.block_hashes, start, end)
+        for n, key in enumerate(keys):
+            if key in self.pool:
+                keys = keys[:n]
+                break
+        self.stats.remote_lookup_tokens += (
+            len(keys) * self.blocks_per_host_block * self.block_size
+        )
+        failures = self.remote.failures
+        hits = self.remote.count_hits([self._remote_key(key) for key in keys])
+        self.stats.remote_lookup_failures += self.remote.failures - failures
+        state.remote_asked = (start, end, hits)
+        return hits
+
+    def _remote_key(self, key: BlockKey) -> str:
+        group_id, block_hash = cast(tuple[int, Any], key)
+        return block_key(self.namespace, group_id, block_hash)
 
     def _is_ready(self, hashes: Sequence[Any]) -> Callable[[int, int], bool]:
         state_of = self.pool.state_of
@@ -210,6 +273,9 @@ class HostTierScheduler:
             self.pool.touch(self._needed_keys(hashes, 0, first // k * k))
         if num_external_tokens == 0:
             return
+        if state.remote_hit is not None:
+            self._plan_async_load(state, device_block_ids[0], num_external_tokens)
+            return
         count = num_external_tokens // self.block_size
         assert count * self.block_size == num_external_tokens and count <= hits
         end = first + count
@@ -245,6 +311,74 @@ class HostTierScheduler:
         self.stats.hit_tokens += num_external_tokens
         self.stats.loaded_blocks += len(device_ids)
 
+    def _plan_async_load(
+        self, state: _RequestState, ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """A hit that reaches into the shared store (single full-attention group):
+        pins its host blocks, allocates host blocks for the fetched ones, and plans one
+        job that fetches them, then loads every block of the hit into `ids`."""
+        assert state.remote_hit is not None
+        request = state.request
+        hashes = request.block_hashes
+        k = self.blocks_per_host_block
+        first = state.lookup[0]
+        end = first + num_external_tokens // self.block_size
+        remote_start, _ = state.remote_hit
+        remote_end = max(remote_start, -(-end // k))
+        # The host part: blocks [first, remote_start * k), pinned as for a sync load.
+        host_keys = self._keys(0, hashes, first // k, remote_start)
+        device_ids: list[int] = []
+        slots: list[int] = []
+        for host_id, hb in zip(
+            self.pool.pin(host_keys), range(first // k, remote_start), strict=True
+        ):
+            for j in range(max(hb * k, first), min(hb * k + k, end)):
+                device_ids.append(ids[j])
+                slots.append(host_id * k + j % k)
+        fetched_from = len(device_ids)
+        # The fetched part: host blocks allocated now, STORING until the fetch ends. A
+        # run cut short (no room, a key held meanwhile) loads what it got; vLLM
+        # recomputes the rest.
+        wanted = self._keys(0, hashes, remote_start, remote_end)
+        parent = (0, hashes[remote_start * k - 1]) if remote_start > 0 else None
+        got = self.pool.allocate_for_store(wanted, parent)
+        fetched: list[BlockKey] = []
+        host_blocks: list[int] = []
+        for key, (got_key, host_id) in zip(wanted, got, strict=False):
+            if key != got_key:
+                break
+            fetched.append(key)
+            host_blocks.append(host_id)
+        beyond = [key for key, _ in got[len(fetched) :]]
+        if beyond:
+            self.pool.complete_store(beyond, False)
+        for n, host_id in enumerate(host_blocks):
+            hb = remote_start + n
+            for j in range(max(hb * k, first), min(hb * k + k, end)):
+                device_ids.append(ids[j])
+                slots.append(host_id * k + j % k)
+        loaded_to = first + len(device_ids)
+        unloadable = [ids[j] for j in range(loaded_to, end)]
+        job = self._new_job("async", request.request_id, host_keys)
+        self._jobs[job].fetched = fetched
+        state.store_jobs.add(job)
+        self._step_async_loads.append(
+            AsyncLoad(
+                load=BlockTransfer(job, device_ids, slots, req_id=request.request_id),
+                fetch=RemoteBlocks(
+                    job, [self._remote_key(key) for key in fetched], host_blocks
+                ),
+                fetched_from=fetched_from,
+                unloadable=unloadable,
+            )
+        )
+        state.planned_upto = max(state.planned_upto, end)
+        self.stats.hit_tokens += fetched_from * self.block_size
+        self.stats.remote_hit_tokens += (len(device_ids) - fetched_from) * (
+            self.block_size
+        )
+        self.stats.loaded_blocks += len(device_ids)
+
     # ---- the step's metadata ----
 
     def build_connector_meta(
@@ -256,8 +390,10 @@ class HostTierScheduler:
             loads=self._step_loads,
             delayed_free_req_ids=list(self._awaiting_stores),
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
+            async_loads=self._step_async_loads,
         )
         self._step_loads, self._awaiting_stores = [], {}
+        self._step_async_loads = []
         self.stats.preempted_requests += len(meta.preempted_req_ids)
         for req_id in meta.preempted_req_ids:
             if (state := self._requests.get(req_id)) is not None:
@@ -270,7 +406,18 @@ class HostTierScheduler:
                 store = self._plan_store(state, num_tokens)
                 if store is not None:
                     meta.stores.append(store)
+                    if self.remote is not None:
+                        meta.writes.append(self._write_through(store))
         return meta
+
+    def _write_through(self, store: BlockTransfer) -> RemoteBlocks:
+        """What every worker writes to the shared store once `store` is done there."""
+        keys = self._jobs[store.job_id].keys
+        k = self.blocks_per_host_block
+        host_blocks = [slot // k for slot in store.host_block_ids[::k]]
+        return RemoteBlocks(
+            store.job_id, [self._remote_key(key) for key in keys], host_blocks
+        )
 
     def _plan_store(
         self, state: _RequestState, num_scheduled: int
@@ -338,8 +485,20 @@ class HostTierScheduler:
         stores are in this report and the workers were not yet told to hold them.
         """
         if report is not None:
+            for job_id, arrived in report.fetched.items():
+                self._fetch_ended(job_id, arrived, report.fetch_reports[job_id])
             for job_id in report.failed:
-                if job_id in self._jobs:
+                job = self._jobs.get(job_id)
+                if job is None:
+                    continue
+                if job.kind == "async":
+                    # Other workers may still write the request's device blocks from
+                    # the host blocks: the job ends when every worker reported it.
+                    self.stats.failed_loads += 1
+                    self._reports[job_id] += 1
+                    if self._reports[job_id] >= self.num_workers:
+                        self._complete(job_id, success=False)
+                else:
                     self._complete(job_id, success=False)
             for job_id, count in report.finished.items():
                 if job_id not in self._jobs:
@@ -347,12 +506,54 @@ class HostTierScheduler:
                 self._reports[job_id] += count
                 if self._reports[job_id] >= self.num_workers:
                     self._complete(job_id, success=True)
+            for job_id, count in report.written.items():
+                self._write_ended(job_id, count)
         released = {
             req_id for req_id, jobs in self._awaiting_stores.items() if not jobs
         }
         for req_id in released:
             del self._awaiting_stores[req_id]
         return released
+
+    def _fetch_ended(self, job_id: int, arrived: list[bool], reports: int) -> None:
+        """Workers' fetches of an async job ended: blocks that arrived on every worker
+        become visible, pinned until the job ends (its loads read them); the rest are
+        freed."""
+        job = self._jobs.get(job_id)
+        if job is None or job.kind != "async":
+            return
+        so_far = self._fetch_results.get(job_id)
+        both = (
+            arrived
+            if so_far is None
+            else [a and b for a, b in zip(so_far, arrived, strict=True)]
+        )
+        self._fetch_results[job_id] = both
+        self._fetch_reports[job_id] += reports
+        if self._fetch_reports[job_id] < self.num_workers:
+            return
+        del self._fetch_results[job_id], self._fetch_reports[job_id]
+        good = [key for key, ok in zip(job.fetched, both, strict=True) if ok]
+        bad = [key for key, ok in zip(job.fetched, both, strict=True) if not ok]
+        if bad:
+            self.pool.complete_store(bad, False)
+        if good:
+            self.pool.complete_store(good, True)
+            self.pool.pin(good)
+            job.keys = job.keys + good
+        self.stats.remote_fetched_blocks += len(good)
+        self.stats.remote_missed_blocks += len(bad)
+        job.fetched = []
+
+    def _write_ended(self, job_id: int, count: int) -> None:
+        """Workers wrote a store job through (or gave up): once every worker did, its
+        blocks may be evicted again."""
+        if job_id not in self._jobs and job_id not in self._writing:
+            return  # a failed store: nothing was pinned for it
+        self._write_reports[job_id] += count
+        if job_id in self._writing and self._write_reports[job_id] >= self.num_workers:
+            self.pool.unpin(self._writing.pop(job_id))
+            del self._write_reports[job_id]
 
     def _complete(self, job_id: int, success: bool) -> None:
         job = self._jobs.pop(job_id)
@@ -362,7 +563,22 @@ class HostTierScheduler:
             if not success:
                 self.stats.failed_loads += 1
             return
+        if job.kind == "async":
+            if job.fetched:  # no worker reported its fetch: nothing arrived
+                self.pool.complete_store(job.fetched, False)
+                self._fetch_results.pop(job_id, None)
+                self._fetch_reports.pop(job_id, None)
+            self.pool.unpin(job.keys)
+            self._release_device_job(job.req_id, job_id)
+            return
         self.pool.complete_store(job.keys, success, job.stored)
+        if success and self.remote is not None:
+            # Written through by every worker before its blocks may go.
+            self.pool.pin(job.keys)
+            self._writing[job_id] = job.keys
+            self._write_ended(job_id, 0)
+        elif not success:
+            self._write_reports.pop(job_id, None)
         if success:
             self.stats.stored_blocks += len(job.keys) * self.blocks_per_host_block
             stored = self.stats.stored_by_group
@@ -370,10 +586,14 @@ class HostTierScheduler:
                 stored[cast(tuple[int, Any], key)[0]] += self.blocks_per_host_block
         else:
             self.stats.failed_stores += 1
-        state = self._requests.get(job.req_id)
+        self._release_device_job(job.req_id, job_id)
+
+    def _release_device_job(self, req_id: str, job_id: int) -> None:
+        """A job that read or wrote the request's device blocks ended."""
+        state = self._requests.get(req_id)
         if state is not None:
             state.store_jobs.discard(job_id)
-        elif (awaiting := self._awaiting_stores.get(job.req_id)) is not None:
+        elif (awaiting := self._awaiting_stores.get(req_id)) is not None:
             awaiting.discard(job_id)
 
     def request_finished(self, request: Request) -> bool:
@@ -421,7 +641,10 @@ class HostTierScheduler:
         ]
 
     def _new_job(
-        self, kind: Literal["load", "store"], req_id: str, keys: list[BlockKey]
+        self,
+        kind: Literal["load", "store", "async"],
+        req_id: str,
+        keys: list[BlockKey],
     ) -> int:
         job_id = self._next_job_id
         self._next_job_id += 1

@@ -19,6 +19,13 @@ class TierStats:
     failed_loads: int = 0
     failed_stores: int = 0
     preempted_requests: int = 0
+    # With a shared store: tokens past the host hit asked of it, tokens it served,
+    # blocks fetched into host memory and blocks that did not arrive.
+    remote_lookup_tokens: int = 0
+    remote_hit_tokens: int = 0
+    remote_fetched_blocks: int = 0
+    remote_missed_blocks: int = 0
+    remote_lookup_failures: int = 0
     # Device blocks stored / loaded per KV cache group (vLLM's hybrid
     # manager has several).
     stored_by_group: Counter[int] = field(default_factory=Counter)

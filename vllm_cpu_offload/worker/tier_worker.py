@@ -11,20 +11,33 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from vllm_cpu_offload.block_transfer import BlockTransfer
+from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer, RemoteBlocks
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadStats
 from vllm_cpu_offload.persist.data_file import TierDataFile
+from vllm_cpu_offload.remote.store import RemoteStore
 from vllm_cpu_offload.worker.copiers.select import Candidate
 from vllm_cpu_offload.worker.fault_injection import FaultInjector
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
+from vllm_cpu_offload.worker.remote_io import RemoteIO
 from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How this worker reaches the shared store (`--swap-space-remote`)."""
+
+    open_store: Callable[[], RemoteStore]
+    namespace: str
+    rank: str
+    timeout_s: float
 
 
 class HostTierWorker:
@@ -43,8 +56,12 @@ class HostTierWorker:
         copy_backend: str = "auto",
         fence_stores: bool = False,
         copier_candidates: Sequence[Candidate] | None = None,
+        remote: RemoteSettings | None = None,
+        blocks_per_host_block: int = 1,
     ) -> None:
+        # Host slots: `blocks_per_host_block` of them make one host block.
         self.num_host_blocks = num_host_blocks
+        self.blocks_per_host_block = blocks_per_host_block
         self.fence_stores = fence_stores
         self.copy_backend = copy_backend
         self.copier_candidates = copier_candidates
@@ -54,11 +71,22 @@ class HostTierWorker:
         self.data_file = data_file
         self.engine: TransferEngine | None = None
         self._step_stores: list[BlockTransfer] = []
-        self._store_req: dict[int, str] = {}  # store job in flight -> request
+        # store or async load job in flight -> its request
+        self._store_req: dict[int, str] = {}
         # load in flight -> its device block ids
         self._load_device_blocks: dict[int, Sequence[int]] = {}
-        # request -> store jobs in flight
+        # request -> jobs in flight on its device blocks (stores, async loads)
         self._stores_in_flight: Counter[str] = Counter()
+        self.remote = remote
+        self.remote_io: RemoteIO | None = None
+        # async load -> its plan, until its blocks are loaded
+        self._async_loads: dict[int, AsyncLoad] = {}
+        # async load job -> device blocks it will not fill (recomputed by vLLM)
+        self._async_unloaded: dict[int, list[int]] = {}
+        self._finished_recving: set[str] = set()
+        # store job -> what to write through once it is done here
+        self._writes: dict[int, RemoteBlocks] = {}
+        self._remote_stats: Counter[str] = Counter()
         self._awaiting_free: set[str] = set()  # finished requests the scheduler holds
         self._report = OffloadWorkerReport()
         self._load_errors: set[int] = set()
@@ -82,6 +110,18 @@ class HostTierWorker:
             candidates=self.copier_candidates,
             fence_stores=self.fence_stores,
         )
+        if self.remote is not None:
+            k = self.blocks_per_host_block
+            self.remote_io = RemoteIO(
+                self.remote.open_store(),
+                host,
+                blocks_per_host_block=k,
+                rank=self.remote.rank,
+                namespace=self.remote.namespace,
+                timeout_s=self.remote.timeout_s,
+                # Queued writes pin their host blocks: at most a quarter of the tier.
+                max_queued_writes=max(1, host.num_host_blocks // k // 4),
+            )
 
     def _engine(self) -> TransferEngine:
         assert self.engine is not None, "register_kv_caches was not called"
@@ -103,6 +143,23 @@ class HostTierWorker:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
         self._step_stores = self._without_injected_faults(metadata.stores)
+        for write in metadata.writes:
+            self._writes[write.job_id] = write
+        for async_load in metadata.async_loads:
+            self._start_async_load(async_load)
+
+    def _start_async_load(self, async_load: AsyncLoad) -> None:
+        """Fetches the hit's missing blocks on the store thread; `get_finished` loads
+        the hit once they are in host memory."""
+        load = async_load.load
+        self._store_req[load.job_id] = load.req_id
+        self._stores_in_flight[load.req_id] += 1
+        self._async_loads[load.job_id] = async_load
+        if self.remote_io is None:
+            # No store here (it failed to open): nothing arrives.
+            self._fetched(load.job_id, [False] * len(async_load.fetch.keys))
+        else:
+            self.remote_io.fetch(async_load.fetch)
 
     def start_loads(self, metadata: OffloadStepMetadata) -> None:
         """Queues the step's loads; vLLM calls this before the forward when there are
@@ -152,14 +209,68 @@ class HostTierWorker:
         self._store_seconds += time.perf_counter() - start
         self._step_stores = []
 
-    def get_finished(self) -> set[str] | None:
-        """Finished requests held by the scheduler whose stores are all done."""
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(finished requests held by the scheduler whose device jobs are all done,
+        requests whose async loads are done); both None when empty."""
         if self.engine is None:
-            return None
+            return None, None
         self._collect(self.engine.poll_finished())
+        if self.remote_io is not None:
+            results = self.remote_io.poll()
+            for job_id, arrived in results.fetched.items():
+                self._fetched(job_id, arrived)
+            for job_id in results.written:
+                self._report.written[job_id] += 1
+            self._remote_stats.update(results.stats)
+            if results.fetched:
+                # The CPU platform loaded them already.
+                self._collect(self.engine.poll_finished())
         done = {r for r in self._awaiting_free if not self._stores_in_flight[r]}
         self._awaiting_free -= done
-        return done or None
+        recving, self._finished_recving = self._finished_recving, set()
+        return done or None, recving or None
+
+    def _fetched(self, job_id: int, arrived: list[bool]) -> None:
+        """An async load's fetch ended: loads the hit up to its first block that did
+        not arrive; vLLM recomputes from there."""
+        async_load = self._async_loads.pop(job_id, None)
+        if async_load is None:
+            return
+        self._report.fetched[job_id] = arrived
+        self._report.fetch_reports[job_id] += 1
+        load, fetch = async_load.load, async_load.fetch
+        k = self.blocks_per_host_block
+        arrived_blocks = set()
+        for host_block, ok in zip(fetch.host_blocks, arrived, strict=True):
+            if not ok:
+                break
+            arrived_blocks.add(host_block)
+        cut = async_load.fetched_from
+        while (
+            cut < len(load.device_block_ids)
+            and load.host_block_ids[cut] // k in arrived_blocks
+        ):
+            cut += 1
+        self._async_unloaded[job_id] = [
+            *load.device_block_ids[cut:],
+            *async_load.unloadable,
+        ]
+        self._load_device_blocks[job_id] = load.device_block_ids[:cut]
+        if cut == 0:
+            self._collect(FinishedJobs(loads={job_id}))
+            return
+        start = time.perf_counter()
+        self._engine().start_loads(
+            [
+                BlockTransfer(
+                    job_id,
+                    load.device_block_ids[:cut],
+                    load.host_block_ids[:cut],
+                    req_id=load.req_id,
+                )
+            ]
+        )
+        self._load_seconds += time.perf_counter() - start
 
     def _collect(self, finished: FinishedJobs) -> None:
         for job_id in finished.failed:
@@ -168,11 +279,26 @@ class HostTierWorker:
                 # vLLM recomputes the tokens of these blocks: a miss, never
                 # a wrong token.
                 self._load_errors.update(self._load_device_blocks.pop(job_id))
-            self._store_done(job_id)
+            self._job_done(job_id, stored=False)
         for job_id in (*finished.stores, *finished.loads):
             self._report.finished[job_id] += 1
             self._load_device_blocks.pop(job_id, None)
-            self._store_done(job_id)
+            self._job_done(job_id, stored=True)
+
+    def _job_done(self, job_id: int, *, stored: bool) -> None:
+        unloaded = self._async_unloaded.pop(job_id, None)
+        if unloaded is not None:
+            # An async load: vLLM recomputes what it did not fill, and may schedule
+            # the request again.
+            self._load_errors.update(unloaded)
+            self._finished_recving.add(self._store_req[job_id])
+        write = self._writes.pop(job_id, None)
+        if write is not None:
+            if stored and self.remote_io is not None:
+                self.remote_io.write(write)
+            else:
+                self._report.written[job_id] += 1
+        self._store_done(job_id)
 
     def _store_done(self, job_id: int) -> None:
         req_id = self._store_req.pop(job_id, None)
@@ -187,22 +313,22 @@ class HostTierWorker:
 
     def take_report(self) -> OffloadWorkerReport | None:
         report = self._report
-        if not report.finished and not report.failed:
+        if not (report.finished or report.failed or report.fetched or report.written):
             return None
         self._report = OffloadWorkerReport()
         return report
 
     def take_stats(self) -> OffloadStats | None:
-        if not self._load_seconds and not self._store_seconds:
+        if not (self._load_seconds or self._store_seconds or self._remote_stats):
             return None
-        stats = OffloadStats(
-            data={
-                "load_seconds": self._load_seconds,
-                "store_seconds": self._store_seconds,
-            }
-        )
+        data: dict[str, float] = {
+            "load_seconds": self._load_seconds,
+            "store_seconds": self._store_seconds,
+        }
+        data.update({f"remote_{k}": v for k, v in self._remote_stats.items()})
         self._load_seconds = self._store_seconds = 0.0
-        return stats
+        self._remote_stats = Counter()
+        return OffloadStats(data=data)
 
     def drain(self) -> None:
         """Waits for every copy in flight; their results are reported as usual."""
@@ -211,5 +337,8 @@ class HostTierWorker:
 
     def shutdown(self) -> None:
         self.drain()
+        if self.remote_io is not None:
+            # Writes still queued are dropped: the store is a cache.
+            self.remote_io.close()
         if self.data_file is not None:
             self.data_file.close()

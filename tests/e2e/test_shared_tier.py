@@ -1,0 +1,116 @@
+"""`--swap-space-remote`: engines share their KV through a real store on loopback.
+
+Real `vllm serve` processes (the API server module), bf16, one request at a time. Server
+A reads documents and writes every block it stores through to the store. Server B, a
+fresh engine with an empty host tier, then reads the same documents: their blocks come
+from the store (loads that span steps), with the answers server A gave, and a tenant's
+`cache_salt` reaches nothing of another's. An engine whose store is down answers the
+same documents exactly, recomputing them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import BLOCK_SIZE
+from tests.e2e.servers import running_server
+from tests.e2e.test_serving_load import OFFLOAD, complete, idle, settled_metrics
+from vllm_cpu_offload.remote.servers import RedisServer, ServerUnavailable, free_port
+from vllm_cpu_offload.testing.tiny_model import random_words
+
+pytestmark = pytest.mark.e2e
+
+DOCS, BLOCKS = 4, 6
+# At least this much of each of B's first reads comes from the store.
+HITS = (BLOCKS - 1) * BLOCK_SIZE
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    try:
+        server = RedisServer().start()
+    except ServerUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def server_flags(url: str) -> list[str]:
+    return [
+        "--dtype", "bfloat16",
+        "--block-size", str(BLOCK_SIZE),
+        "--num-gpu-blocks-override", "24",
+        "--max-model-len", "640",
+        "--enforce-eager",
+        "--enable-prompt-tokens-details",
+        "--enable-cpu-offload", "--swap-space", "0.05",
+        "--swap-space-remote", url,
+    ]  # fmt: skip
+
+
+def cached_tokens(reply: dict) -> int:
+    return int(
+        (reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    )
+
+
+def text(reply: dict) -> str:
+    return str(reply["choices"][0]["text"])
+
+
+def written_through(m: dict[str, float]) -> bool:
+    return idle(m) and m.get(OFFLOAD + "remote_written_blocks_total", 0) > 0
+
+
+def test_a_second_engine_reads_what_the_first_computed(
+    tiny_model: str, redis_url: str
+) -> None:
+    flags = server_flags(redis_url)
+    rng = random.Random(31)
+    docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(DOCS)]
+    salted = random_words(rng, BLOCKS * BLOCK_SIZE + 3)
+
+    with running_server(tiny_model, flags) as first_server:
+        first = [complete(first_server, d) for d in docs]
+        first_salted = complete(first_server, salted, cache_salt="tenant-a")
+        written = settled_metrics(first_server.url, until=written_through)
+        assert written[OFFLOAD + "remote_written_blocks_total"] >= (DOCS + 1) * (
+            BLOCKS - 1
+        )
+
+    with running_server(tiny_model, flags) as second:
+        before = settled_metrics(second.url, until=idle)
+        again = [complete(second, d) for d in docs]
+        assert [text(r) for r in again] == [text(r) for r in first]
+        assert all(cached_tokens(r) >= HITS for r in again), [r["usage"] for r in again]
+        # Another tenant's salt reaches none of tenant A's blocks in the store.
+        as_b = complete(second, salted, cache_salt="tenant-b")
+        assert cached_tokens(as_b) < BLOCK_SIZE and text(as_b) == text(first_salted)
+        as_a = complete(second, salted, cache_salt="tenant-a")
+        assert cached_tokens(as_a) >= HITS and text(as_a) == text(first_salted)
+        after = settled_metrics(second.url, until=idle)
+
+        def grew(name: str) -> float:
+            return after[OFFLOAD + name] - before[OFFLOAD + name]
+
+        assert grew("remote_hit_tokens_total") >= (DOCS + 1) * HITS
+        assert grew("remote_rejected_blocks_total") == 0
+        assert grew("failed_transfers_total") == 0
+
+
+def test_a_store_that_is_down_costs_recomputes_not_answers(tiny_model: str) -> None:
+    # Nothing listens on this port: every store call fails at once.
+    dead = f"redis://127.0.0.1:{free_port()}"
+    rng = random.Random(37)
+    docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(2)]
+    with running_server(tiny_model, server_flags(dead)) as server:
+        first = [complete(server, d) for d in docs]
+        again = [complete(server, d) for d in docs]
+        assert [text(r) for r in again] == [text(r) for r in first]
+        m = settled_metrics(server.url, until=idle)
+        assert m.get(OFFLOAD + "remote_hit_tokens_total", 0) == 0

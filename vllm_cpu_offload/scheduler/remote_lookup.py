@@ -1,0 +1,63 @@
+"""The scheduler half's question to the shared store: how many of a request's next
+blocks does it hold, on every rank?
+
+One batched call per lookup, for every block past the device and host hits and every
+rank's shard. A block counts only when each rank holds its shard, and the hit is the
+longest such run from the first block on. The call is bounded by its timeout; a store
+that fails or is slow answers "none" (a miss, counted), and after a failure the store is
+left alone for `backoff_s`, so a dead store costs a step at most one timeout per
+back-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from vllm_cpu_offload.remote.namespace import shard_key
+from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteLookup:
+    """Counts a request's blocks that the shared store holds; see the module
+    docstring."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        ranks: Sequence[str],
+        *,
+        timeout_s: float,
+        backoff_s: float = 1.0,
+    ) -> None:
+        self.store = store
+        self.ranks = list(ranks)
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.failures = 0
+        self._quiet_until = 0.0
+
+    def count_hits(self, keys: Sequence[str]) -> int:
+        """How many of `keys` (rank-independent, in prefix order) every rank holds,
+        from the first on."""
+        if not keys or time.monotonic() < self._quiet_until:
+            return 0
+        shards = [shard_key(k, r) for k in keys for r in self.ranks]
+        try:
+            held = self.store.exists(shards, self.timeout_s)
+        except RemoteStoreError as e:
+            self.failures += 1
+            self._quiet_until = time.monotonic() + self.backoff_s
+            logger.debug("remote KV lookup failed: %s", e)
+            return 0
+        ranks = len(self.ranks)
+        for i in range(len(keys)):
+            if not all(held[i * ranks : i * ranks + ranks]):
+                return i
+        return len(keys)
+
+    def close(self) -> None:
+        self.store.close()
