@@ -40,6 +40,7 @@ from vllm_cpu_offload.persist.fingerprint import (
 )
 from vllm_cpu_offload.remote.namespace import namespace_of
 from vllm_cpu_offload.remote.registry import open_store
+from vllm_cpu_offload.remote.store import wait_until_answering
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
 from vllm_cpu_offload.scheduler.policies import make_policy
@@ -187,10 +188,12 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._remote_lookup = RemoteLookup(
                     store, worker_names(vllm_config), timeout_s=timeout_s
                 )
+                answering = wait_until_answering(store, timeout_s)
                 logger.info(
-                    "CPU offload shared tier: %s, namespace %s",
+                    "CPU offload shared tier: %s, namespace %s%s",
                     store.description,
                     namespace,
+                    "" if answering else " (not answering yet: connects when it does)",
                 )
             parallel = vllm_config.parallel_config
             self.scheduler = HostTierScheduler(

@@ -11,14 +11,20 @@ same documents exactly, recomputing them.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.conftest import BLOCK_SIZE
-from tests.e2e.servers import running_server
+from tests.e2e.servers import RunningServer, metrics, running_server
 from tests.e2e.test_serving_load import OFFLOAD, complete, idle, settled_metrics
-from vllm_cpu_offload.remote.servers import RedisServer, ServerUnavailable, free_port
+from vllm_cpu_offload.remote.servers import (
+    MooncakeServers,
+    RedisServer,
+    ServerUnavailable,
+    free_port,
+)
 from vllm_cpu_offload.testing.tiny_model import random_words
 
 pytestmark = pytest.mark.e2e
@@ -26,6 +32,10 @@ pytestmark = pytest.mark.e2e
 DOCS, BLOCKS = 4, 6
 # At least this much of each of B's first reads comes from the store.
 HITS = (BLOCKS - 1) * BLOCK_SIZE
+
+
+# Mooncake's client advertises this address, not the machine's first one.
+MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
 
 @pytest.fixture
@@ -38,6 +48,25 @@ def redis_url() -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture
+def mooncake() -> Iterator[MooncakeServers]:
+    try:
+        servers = MooncakeServers().start()
+    except ServerUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(params=["redis", "mooncake"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_url"))
+    return request.getfixturevalue("mooncake").url
 
 
 def server_flags(url: str) -> list[str]:
@@ -63,27 +92,45 @@ def text(reply: dict) -> str:
     return str(reply["choices"][0]["text"])
 
 
-def written_through(m: dict[str, float]) -> bool:
-    return idle(m) and m.get(OFFLOAD + "remote_written_blocks_total", 0) > 0
+def stepped_until(
+    server: RunningServer, until: Callable[[dict[str, float]], bool]
+) -> dict[str, float]:
+    """/metrics once `until` holds. Writes go on after the request that stored them
+    finished, and an idle engine runs no step to report them: one-token requests make
+    it step until they are reported."""
+    deadline = time.monotonic() + 120
+    while True:
+        complete(server, "ping", max_tokens=1)
+        m = metrics(server.url)
+        if until(m):
+            return m
+        assert time.monotonic() < deadline, f"metrics never got there: {m}"
+        time.sleep(0.2)
+
+
+def all_written(m: dict[str, float]) -> bool:
+    """Every block stored in host memory is in the store too."""
+    stored = m.get(OFFLOAD + "stored_blocks_total", 0)
+    return m.get(OFFLOAD + "remote_written_blocks_total", 0) >= stored > 0
 
 
 def test_a_second_engine_reads_what_the_first_computed(
-    tiny_model: str, redis_url: str
+    tiny_model: str, store_url: str
 ) -> None:
-    flags = server_flags(redis_url)
+    flags = server_flags(store_url)
     rng = random.Random(31)
     docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(DOCS)]
     salted = random_words(rng, BLOCKS * BLOCK_SIZE + 3)
 
-    with running_server(tiny_model, flags) as first_server:
+    with running_server(tiny_model, flags, env=MOONCAKE_ENV) as first_server:
         first = [complete(first_server, d) for d in docs]
         first_salted = complete(first_server, salted, cache_salt="tenant-a")
-        written = settled_metrics(first_server.url, until=written_through)
+        written = stepped_until(first_server, all_written)
         assert written[OFFLOAD + "remote_written_blocks_total"] >= (DOCS + 1) * (
             BLOCKS - 1
         )
 
-    with running_server(tiny_model, flags) as second:
+    with running_server(tiny_model, flags, env=MOONCAKE_ENV) as second:
         before = settled_metrics(second.url, until=idle)
         again = [complete(second, d) for d in docs]
         assert [text(r) for r in again] == [text(r) for r in first]
@@ -114,3 +161,32 @@ def test_a_store_that_is_down_costs_recomputes_not_answers(tiny_model: str) -> N
         assert [text(r) for r in again] == [text(r) for r in first]
         m = settled_metrics(server.url, until=idle)
         assert m.get(OFFLOAD + "remote_hit_tokens_total", 0) == 0
+
+
+def test_a_storage_node_that_dies_costs_no_wrong_token_and_no_hang(
+    tiny_model: str, mooncake: MooncakeServers
+) -> None:
+    flags = server_flags(mooncake.url)
+    rng = random.Random(41)
+    docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(4)]
+    with running_server(tiny_model, flags, env=MOONCAKE_ENV) as first_server:
+        first = [complete(first_server, d) for d in docs[:2]]
+        stepped_until(first_server, all_written)
+    with running_server(tiny_model, flags, env=MOONCAKE_ENV) as second:
+        before = settled_metrics(second.url, until=idle)
+        # The node that holds every value dies: B's reads recompute, exactly, each
+        # within the store's timeouts (complete() bounds a request's time).
+        mooncake.kill_storage_node()
+        again = [complete(second, d) for d in docs[:2]]
+        assert [text(r) for r in again] == [text(r) for r in first]
+        # A new node comes up: the tier writes through again.
+        mooncake.restart_storage_node()
+        fresh = [complete(second, d) for d in docs[2:]]
+        written = before[OFFLOAD + "remote_written_blocks_total"]
+        after = stepped_until(
+            second, lambda m: m[OFFLOAD + "remote_written_blocks_total"] > written
+        )
+        assert after[OFFLOAD + "failed_transfers_total"] == before.get(
+            OFFLOAD + "failed_transfers_total", 0
+        )
+        assert all(text(r) for r in fresh)

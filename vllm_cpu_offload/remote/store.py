@@ -15,9 +15,12 @@ Imports the standard library only.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+_PROBE_KEY = "vllm-cpu-offload/probe"
 
 
 class RemoteStoreError(RuntimeError):
@@ -71,3 +74,18 @@ class RemoteStore(ABC):
     @abstractmethod
     def description(self) -> str:
         """Where the store is, for the log (never a secret)."""
+
+
+def wait_until_answering(store: RemoteStore, timeout_s: float) -> bool:
+    """Whether `store` answered a call within `timeout_s`: stores connect in the
+    background once made, and fail calls until they do. An engine waits this long at
+    start, so its first requests find the store connected; after that, it goes on."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.exists([_PROBE_KEY], max(0.05, deadline - time.monotonic()))
+            return True
+        except RemoteStoreError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)

@@ -29,7 +29,8 @@ blocks in vLLM's prefix cache, which caches them at allocation.
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -60,6 +61,12 @@ if TYPE_CHECKING:
 # placeholder a sliding-window group holds for blocks outside its window.
 NULL_BLOCK_ID = 0
 
+# A block the shared store listed but did not serve is not asked for again for this
+# long (its storage node may have died; a block written again after that is found
+# again), and at most this many such keys are remembered.
+UNFETCHABLE_FOR_S = 30.0
+UNFETCHABLE_MAX_KEYS = 1 << 16
+
 
 @dataclass
 class _JobInFlight:
@@ -87,6 +94,10 @@ class _RequestState:
     remote_hit: tuple[int, int] | None = None
     # The last question to the store: (first, end host block) -> its answer.
     remote_asked: tuple[int, int, int] | None = None
+    # A fetch of this request came back short: vLLM recomputes, and the store is not
+    # asked for it again (a store that lists blocks it cannot serve would otherwise
+    # send the request round and round).
+    remote_failed: bool = False
     # Jobs that read or write the request's device blocks (stores, async loads): its
     # blocks outlive it until they are done.
     store_jobs: set[int] = field(default_factory=set)
@@ -144,6 +155,8 @@ class HostTierScheduler:
         # store job -> blocks pinned until every worker wrote them through
         self._writing: dict[int, list[BlockKey]] = {}
         self._write_reports: Counter[int] = Counter()
+        # key -> until when the store is not asked for it (a fetch of it failed)
+        self._unfetchable: OrderedDict[BlockKey, float] = OrderedDict()
         # Finished requests whose device blocks wait for these store jobs, not yet
         # handed to the workers (that happens in the next step's metadata).
         self._awaiting_stores: dict[str, set[int]] = {}
@@ -209,11 +222,14 @@ class HostTierScheduler:
         """Host blocks [start, start + n) of the request that the shared store holds
         and the pool does not (a block the pool holds, in any state, ends the run)."""
         assert self.remote is not None
+        if state.remote_failed:
+            return 0
         if state.remote_asked is not None and state.remote_asked[:2] == (start, end):
             return state.remote_asked[2]
         keys = self._keys(0, state.request.block_hashes, start, end)
+        now = time.monotonic()
         for n, key in enumerate(keys):
-            if key in self.pool:
+            if key in self.pool or self._unfetchable.get(key, 0.0) > now:
                 keys = keys[:n]
                 break
         self.stats.remote_lookup_tokens += (
@@ -537,6 +553,10 @@ class HostTierScheduler:
         bad = [key for key, ok in zip(job.fetched, both, strict=True) if not ok]
         if bad:
             self.pool.complete_store(bad, False)
+            self._remember_unfetchable(bad)
+            state = self._requests.get(job.req_id)
+            if state is not None:
+                state.remote_failed = True
         if good:
             self.pool.complete_store(good, True)
             self.pool.pin(good)
@@ -544,6 +564,16 @@ class HostTierScheduler:
         self.stats.remote_fetched_blocks += len(good)
         self.stats.remote_missed_blocks += len(bad)
         job.fetched = []
+
+    def _remember_unfetchable(self, keys: list[BlockKey]) -> None:
+        """Blocks the store listed but did not serve are not offered again for a
+        while: its index may outlive a dead storage node."""
+        until = time.monotonic() + UNFETCHABLE_FOR_S
+        for key in keys:
+            self._unfetchable.pop(key, None)
+            self._unfetchable[key] = until
+        while len(self._unfetchable) > UNFETCHABLE_MAX_KEYS:
+            self._unfetchable.popitem(last=False)
 
     def _write_ended(self, job_id: int, count: int) -> None:
         """Workers wrote a store job through (or gave up): once every worker did, its

@@ -32,6 +32,7 @@ from vllm_cpu_offload.remote.store import (
     RemoteStore,
     RemoteStoreError,
     Span,
+    wait_until_answering,
 )
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
@@ -92,6 +93,9 @@ class RemoteIO:
         store.register(Span(self._base, host.tensor.numel()))
         store.register(Span(self._headers_at, len(self._headers)))
         self._staging = self._new_staging()
+        # The worker's first stores come right after start: give the store its
+        # timeout to connect (then the tier goes on, and connects when it answers).
+        wait_until_answering(store, timeout_s)
         self._lock = threading.Condition()
         self._fetches: deque[RemoteBlocks] = deque()
         self._writes: deque[RemoteBlocks] = deque()
