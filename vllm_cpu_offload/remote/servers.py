@@ -1,0 +1,302 @@
+"""Real store servers on loopback, for tests and benchmarks: a Mooncake master with
+one storage node (`MooncakeServers`) and a `redis-server` (`RedisServer`).
+
+Each picks free ports, starts its processes with their output in a temporary folder,
+waits (bounded) until they answer, and stops them on `stop()` or on leaving its `with`
+block, an exception included. A missing binary raises `ServerUnavailable`, whose
+message says how to install it (a test fixture turns it into a skip).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+LOOPBACK = "127.0.0.1"
+_READY_TIMEOUT_S = 60.0
+
+
+class ServerUnavailable(RuntimeError):
+    """A server's binary is not installed; the message says how to install it."""
+
+
+class _Processes:
+    """Processes started by name, with their output in one temporary folder."""
+
+    def __init__(self, prefix: str) -> None:
+        self.log_dir = Path(tempfile.mkdtemp(prefix=prefix))
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        assert name not in self._procs, f"{name} runs already"
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            self._procs[name] = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **env},
+                cwd=self.log_dir,
+            )
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self._procs.pop(name, None)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+    def kill_all(self) -> None:
+        for name in list(self._procs):
+            self.kill(name, signal.SIGTERM)
+
+    def wait_port(self, name: str, port: int) -> None:
+        """Until `port` takes connections; raises if `name` exits or time runs out."""
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            proc = self._procs[name]
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with {proc.returncode}: {self.tail(name)}"
+                )
+            try:
+                with socket.create_connection((LOOPBACK, port), timeout=1.0):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(
+            f"{name} did not listen on {port} in "
+            f"{_READY_TIMEOUT_S:g} s: {self.tail(name)}"
+        )
+
+    def tail(self, name: str) -> str:
+        text = (self.log_dir / f"{name}.log").read_text(errors="replace")
+        return " | ".join(text.strip().splitlines()[-5:])
+
+
+def free_port() -> int:
+    """A port free on loopback now (another process may take it before we do)."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+class MooncakeServers:
+    """A Mooncake master (with its HTTP metadata server) and one storage node of
+    `global_segment_size` bytes (Mooncake's syntax: "512MB"), all on loopback.
+    `url` is the `mooncake://` URL an engine would take."""
+
+    def __init__(self, global_segment_size: str = "512MB") -> None:
+        package = importlib.util.find_spec("mooncake")
+        folder = Path(package.origin).parent if package and package.origin else None
+        self._master_bin = folder / "mooncake_master" if folder else None
+        self._node_bin = folder / "mooncake_client" if folder else None
+        if self._master_bin is None or not self._master_bin.exists():
+            raise ServerUnavailable(
+                "Mooncake is not installed; pip install 'vllm-cpu-offload[mooncake]' "
+                "(and apt-get install libibverbs1)"
+            )
+        self.segment_size = global_segment_size
+        self.rpc_port = free_port()
+        self.metadata_port = free_port()
+        self._metrics_port = free_port()
+        self._procs = _Processes("mooncake-")
+        # Otherwise Mooncake advertises the machine's first non-loopback address.
+        self._env = {"MC_TCP_BIND_ADDRESS": LOOPBACK}
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.metadata_port}/metadata"
+
+    @property
+    def url(self) -> str:
+        return f"mooncake://{LOOPBACK}:{self.rpc_port}?metadata={self.metadata_url}"
+
+    def start(self) -> MooncakeServers:
+        self.start_master()
+        self.restart_storage_node()
+        return self
+
+    def start_master(self) -> None:
+        self._procs.start(
+            "master",
+            [
+                str(self._master_bin),
+                f"--rpc_address={LOOPBACK}",
+                f"--rpc_port={self.rpc_port}",
+                "--enable_http_metadata_server=true",
+                f"--http_metadata_server_host={LOOPBACK}",
+                f"--http_metadata_server_port={self.metadata_port}",
+                f"--metrics_host={LOOPBACK}",
+                f"--metrics_port={self._metrics_port}",
+            ],
+            self._env,
+        )
+        self._procs.wait_port("master", self.rpc_port)
+        self._procs.wait_port("master", self.metadata_port)
+
+    def kill_storage_node(self) -> None:
+        """SIGKILL, as a machine that dies: the values it held are gone."""
+        self._procs.kill("node")
+
+    def restart_storage_node(self) -> None:
+        self.kill_storage_node()
+        port = free_port()
+        self._procs.start(
+            "node",
+            [
+                str(self._node_bin),
+                f"--master_server_address={LOOPBACK}:{self.rpc_port}",
+                f"--metadata_server={self.metadata_url}",
+                "--protocol=tcp",
+                f"--global_segment_size={self.segment_size}",
+                f"--host={LOOPBACK}",
+                f"--port={port}",
+            ],
+            self._env,
+        )
+        # It serves its port once its segment is mounted on the master.
+        self._procs.wait_port("node", port)
+
+    def stop(self) -> None:
+        self._procs.kill_all()
+        shutil.rmtree(self._procs.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> MooncakeServers:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class RedisServer:
+    """A `redis-server` on loopback without persistence; with `username` and
+    `password`, that ACL user is the only one (the default user is off).
+    `cluster=True` makes it a one-node cluster that owns every slot."""
+
+    def __init__(
+        self,
+        username: str | None = None,
+        password: str | None = None,
+        maxmemory: str | None = None,
+        cluster: bool = False,
+    ) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ServerUnavailable(
+                "redis-server is not installed; apt-get install redis-server"
+            )
+        self._binary = binary
+        self._username = username
+        self._password = password
+        self._maxmemory = maxmemory
+        self._cluster = cluster
+        self.port = free_port()
+        self._procs = _Processes("redis-")
+
+    @property
+    def url(self) -> str:
+        user = f"{self._username}@" if self._username else ""
+        scheme = "redis+cluster" if self._cluster else "redis"
+        return f"{scheme}://{user}{LOOPBACK}:{self.port}"
+
+    def start(self) -> RedisServer:
+        argv = [
+            self._binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            LOOPBACK,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self._procs.log_dir),
+        ]
+        if self._username and self._password:
+            argv += [
+                "--user",
+                "default",
+                "off",
+                "--user",
+                self._username,
+                "on",
+                f">{self._password}",
+                "~*",
+                "&*",
+                "+@all",
+            ]
+        if self._maxmemory:
+            argv += ["--maxmemory", self._maxmemory, "--maxmemory-policy", "noeviction"]
+        if self._cluster:
+            argv += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{self.port}.conf",
+            ]
+        self._procs.start("redis", argv, {})
+        self._procs.wait_port("redis", self.port)
+        if self._cluster:
+            self._own_all_slots()
+        return self
+
+    def stop_server(self) -> None:
+        """Stops the server only (`start()` brings it back on the same port)."""
+        self._procs.kill("redis")
+
+    def stop(self) -> None:
+        self._procs.kill_all()
+        shutil.rmtree(self._procs.log_dir, ignore_errors=True)
+
+    def _own_all_slots(self) -> None:
+        import redis
+
+        client = redis.Redis(
+            LOOPBACK, self.port, username=self._username, password=self._password
+        )
+        with client:
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+            deadline = time.monotonic() + _READY_TIMEOUT_S
+            while client.cluster("info")["cluster_state"] != "ok":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the one-node cluster did not become ok")
+                time.sleep(0.05)
+
+    def __enter__(self) -> RedisServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
