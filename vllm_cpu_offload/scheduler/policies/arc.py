@@ -96,28 +96,25 @@ class ARCPolicy(EvictionPolicy):
         self._trim_ghosts()
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
-        t1, t2 = self._t1, self._t2
-        for block in blocks:
-            if block.segment == _T2:
-                t2.append(block)
-            else:
-                t1.append(block)
-                self._t1_storing -= 1
+        newcomers = [block for block in blocks if block.segment != _T2]
+        self._t1.extend(newcomers)
+        self._t1_storing -= len(newcomers)
+        if len(newcomers) < len(blocks):
+            self._t2.extend([block for block in blocks if block.segment == _T2])
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
         t1, t2 = self._t1, self._t2
         promoted = 0
         for block in blocks:
-            owner = block.owner
-            if owner is t2:
-                t2.move_to_end(block)
-                continue
             if block.segment == _T1:
                 block.segment = _T2
                 promoted += 1
-                if owner is t1:
+                if block.owner is t1:
                     t1.remove(block)
                     t2.append(block)
+        # Deepest first, so that ancestors end the most recent; unlisted (pinned)
+        # blocks are skipped.
+        t2.move_all_to_end(blocks)
         self._n_t1 -= promoted
         self._n_t2 += promoted
 

@@ -105,13 +105,11 @@ class LIRSPolicy(EvictionPolicy):
         self._demote()
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
-        lir, queue = self._lir, self._queue
-        for block in blocks:
-            if block.segment == _LIR:
-                lir.append(block)
-            else:
-                queue.append(block)
-                self._hir_storing -= 1
+        hir = [block for block in blocks if block.segment != _LIR]
+        self._queue.extend(hir)
+        self._hir_storing -= len(hir)
+        if len(hir) < len(blocks):
+            self._lir.extend([block for block in blocks if block.segment == _LIR])
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
         lir, queue = self._lir, self._queue

@@ -85,14 +85,12 @@ class S3FIFOPolicy(EvictionPolicy):
                 self._small_storing += 1
 
     def on_ready(self, blocks: Sequence[HostBlock]) -> None:
-        small, main = self._small, self._main
         # Deepest first, as the pool reports them: descendants leave before ancestors.
-        for block in blocks:
-            if block.segment == _MAIN:
-                main.append(block)
-            else:
-                small.append(block)
-                self._small_storing -= 1
+        newcomers = [block for block in blocks if block.segment != _MAIN]
+        self._small.extend(newcomers)
+        self._small_storing -= len(newcomers)
+        if len(newcomers) < len(blocks):
+            self._main.extend([block for block in blocks if block.segment == _MAIN])
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
         for block in blocks:
