@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable
 
+from vllm_cpu_offload.remote.mooncake_store import RemoteCallTimeout
 from vllm_cpu_offload.remote.registry import open_store
 from vllm_cpu_offload.remote.servers import MooncakeServers
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError, Span
@@ -116,3 +117,30 @@ def test_scheduler_role_asks_exists_without_a_buffer(
     assert scheduler.exists([key, key + "x"], TIMEOUT_S * 5) == [True, False]
     worker.close()
     scheduler.close()
+
+
+def test_hung_master_times_out_then_fails_fast_and_recovers(
+    mooncake_factory: Callable[..., MooncakeServers], memory: HostMemory
+) -> None:
+    # A master that stops answering: the call raises at its timeout, the next ones
+    # fail at once without queueing behind it, and it works once the master answers.
+    servers = mooncake_factory()
+    store = _open(servers, memory)
+    wait_until_up(store)
+    value = [memory.write(0, b"kept")]
+    assert store.put(["hung/k"], [value], TIMEOUT_S * 5) == [True]
+    servers.pause_master()
+    try:
+        first = _bounded(lambda: store.exists(["hung/k"], TIMEOUT_S))
+        assert isinstance(first, RemoteCallTimeout)
+        for _ in range(3):
+            later = _bounded(lambda: store.exists(["hung/k"], TIMEOUT_S))
+            assert isinstance(later, RemoteStoreError)
+    finally:
+        servers.resume_master()
+    wait_until_up(store)
+    assert first.in_flight.result(timeout=60) is not None
+    into = [memory.span(1 << 20, 4)]
+    assert store.get(["hung/k"], [into], TIMEOUT_S * 5) == [True]
+    assert memory.read(into[0]) == b"kept"
+    store.close()

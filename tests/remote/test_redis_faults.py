@@ -132,3 +132,23 @@ def test_one_node_cluster(
     assert [memory.read(s[0]) for s in into] == [bytes([i]) * 64 for i in range(20)]
     assert store.exists([*keys[:2], "nope"], TIMEOUT_S * 5) == [True, True, False]
     store.close()
+
+
+def test_hung_server_times_out_and_recovers(
+    redis_factory: Callable[..., RedisServer], memory: HostMemory
+) -> None:
+    # A server that stops answering: calls raise within their timeout; it answers
+    # again: the store works without being rebuilt.
+    server = redis_factory()
+    store = open_store(server.url, role="worker")
+    wait_until_up(store)
+    _round_trip(store, memory, "hung/1")
+    server.pause()
+    try:
+        for _ in range(3):
+            _fails_in_time(store)
+    finally:
+        server.resume()
+    wait_until_up(store)
+    _round_trip(store, memory, "hung/2")
+    store.close()

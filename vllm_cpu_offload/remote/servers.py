@@ -53,6 +53,7 @@ class _Processes:
             return
         if proc.poll() is None:
             proc.send_signal(sig)
+            proc.send_signal(signal.SIGCONT)  # a paused process acts on it only so
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -62,6 +63,9 @@ class _Processes:
     def kill_all(self) -> None:
         for name in list(self._procs):
             self.kill(name, signal.SIGTERM)
+
+    def signal(self, name: str, sig: int) -> None:
+        self._procs[name].send_signal(sig)
 
     def wait_port(self, name: str, port: int) -> None:
         """Until `port` takes connections; raises if `name` exits or time runs out."""
@@ -147,6 +151,13 @@ class MooncakeServers:
         )
         self._procs.wait_port("master", self.rpc_port)
         self._procs.wait_port("master", self.metadata_port)
+
+    def pause_master(self) -> None:
+        """SIGSTOP: the master takes connections and never answers (a hung host)."""
+        self._procs.signal("master", signal.SIGSTOP)
+
+    def resume_master(self) -> None:
+        self._procs.signal("master", signal.SIGCONT)
 
     def kill_storage_node(self) -> None:
         """SIGKILL, as a machine that dies: the values it held are gone."""
@@ -257,12 +268,22 @@ class RedisServer:
                 "yes",
                 "--cluster-config-file",
                 f"nodes-{self.port}.conf",
+                # Else the bus takes port + 10000, which may be taken or past 65535.
+                "--cluster-port",
+                str(free_port()),
             ]
         self._procs.start("redis", argv, {})
         self._procs.wait_port("redis", self.port)
         if self._cluster:
             self._own_all_slots()
         return self
+
+    def pause(self) -> None:
+        """SIGSTOP: the server takes connections and never answers (a hung host)."""
+        self._procs.signal("redis", signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._procs.signal("redis", signal.SIGCONT)
 
     def stop_server(self) -> None:
         """Stops the server only (`start()` brings it back on the same port)."""
