@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from vllm_cpu_offload.scheduler.policies import (  # noqa: E402
     LIRSPolicy,
     make_policy,
 )
+from vllm_cpu_offload.scheduler.policies.lirs import _HIR, _LIR  # noqa: E402
 
 CANDIDATES = ("lru", "arc", "lirs", "s3fifo")
 
@@ -234,6 +236,114 @@ class AdaptiveLIRSPolicy(LIRSPolicy):
         dropped = before - len(self._history)
         if dropped:
             self._move_target(-dropped)
+
+
+class LIRS10Policy(LIRSPolicy):
+    """LIRS with 10% of the pool for resident HIR blocks (the anchor keeps 1%)."""
+
+    name = "lirs10"
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks, hir_fraction=0.10)
+
+
+class LIRS25Policy(LIRSPolicy):
+    """LIRS with 25% of the pool for resident HIR blocks."""
+
+    name = "lirs25"
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks, hir_fraction=0.25)
+
+
+class LIRS50Policy(LIRSPolicy):
+    """LIRS with half the pool for resident HIR blocks."""
+
+    name = "lirs50"
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks, hir_fraction=0.5)
+
+
+_DEMOTED = 3  # a resident HIR block that was LIR (LIRSPolicy treats it as HIR)
+
+
+class BalancedLIRSPolicy(LIRSPolicy):
+    """LIRS whose HIR share moves as ARC's target does, between two ghost lists.
+
+    H1 is LIRS's own history of non-resident HIR blocks in S: a new key found there
+    would have hit with more room for HIR blocks, so the HIR target grows by
+    max(1, |H2| / |H1|). H2 remembers blocks that were LIR, were demoted and then
+    evicted: a new key found there would have hit with a larger LIR set, so the
+    target shrinks by max(1, |H1| / |H2|). H2 is bounded at the pool's capacity. New
+    blocks enter as LIR only while the pool fills for the first time. O(1) per block.
+    """
+
+    name = "lirs_balanced"
+
+    def __init__(self, num_blocks: int, min_hir_fraction: float = 0.01) -> None:
+        super().__init__(num_blocks, hir_fraction=min_hir_fraction)
+        self._min_hir = max(1, int(num_blocks * min_hir_fraction))
+        self.hir_target = float(self._min_hir)
+        self._demoted: OrderedDict[int, None] = OrderedDict()
+        self._filled = False
+
+    def _move_target(self, delta: float) -> None:
+        top = self.num_blocks - 1
+        self.hir_target = min(max(self.hir_target + delta, self._min_hir), top)
+        self.lir_cap = max(1, self.num_blocks - int(self.hir_target))
+
+    def on_insert(self, blocks: Sequence[HostBlock]) -> None:
+        history, demoted = self._history, self._demoted
+        bottom = self._bottom()
+        clock = self._clock
+        for block in reversed(blocks):
+            clock += 1
+            h = hash(block.key)
+            last = history.pop(h, None)
+            block.stamp = clock
+            if last is not None and last > bottom:
+                self._move_target(max(1.0, len(demoted) / max(1, len(history))))
+                block.segment = _LIR
+                self.num_lir += 1
+                continue
+            if h in demoted:
+                del demoted[h]
+                self._move_target(-max(1.0, len(history) / max(1, len(demoted))))
+            if not self._filled and self.num_lir < self.lir_cap:
+                block.segment = _LIR
+                self.num_lir += 1
+            else:
+                block.segment = _HIR
+                self._hir_storing += 1
+        self._clock = clock
+        self._demote()
+
+    def _demote(self) -> None:
+        lir, queue = self._lir, self._queue
+        while self.num_lir > self.lir_cap:
+            oldest = lir.popleft()
+            if oldest is None:
+                return
+            oldest.segment = _DEMOTED
+            self.num_lir -= 1
+            queue.append(oldest)
+
+    def pop_victim(self) -> HostBlock | None:
+        self._filled = True
+        head = self._queue.head
+        was_lir = head is not None and head.segment == _DEMOTED
+        victim = super().pop_victim()
+        if was_lir and victim is not None:
+            demoted = self._demoted
+            demoted[hash(victim.key)] = None
+            if len(demoted) > self.num_blocks:
+                demoted.popitem(last=False)
+        return victim
+
+    def reset(self) -> None:
+        super().reset()
+        self._demoted.clear()
 
 
 ANCHORS = ("lru", "arc", "lirs", "s3fifo")
