@@ -144,3 +144,29 @@ def test_hung_master_times_out_then_fails_fast_and_recovers(
     assert store.get(["hung/k"], [into], TIMEOUT_S * 5) == [True]
     assert memory.read(into[0]) == b"kept"
     store.close()
+
+
+def test_restarted_master(
+    mooncake_factory: Callable[..., MooncakeServers], memory: HostMemory
+) -> None:
+    # A master killed and started again: its values are gone (a miss), and the same
+    # store object stores and reads again once the node has mounted its segment.
+    servers = mooncake_factory()
+    store = _open(servers, memory)
+    wait_until_up(store)
+    value = [memory.write(0, b"before")]
+    assert store.put(["restart/old"], [value], TIMEOUT_S * 5) == [True]
+    servers.restart_master()
+    wait_until_up(store)
+    into = [memory.span(1 << 20, 6)]
+    old = _bounded(lambda: store.get(["restart/old"], [into], TIMEOUT_S))
+    assert isinstance(old, RemoteStoreError) or old == [False]
+    stored: object = None
+    deadline = time.monotonic() + 90
+    while stored != [True] and time.monotonic() < deadline:
+        stored = _bounded(lambda: store.put(["restart/new"], [value], TIMEOUT_S))
+        time.sleep(0.2)
+    assert stored == [True]
+    assert store.get(["restart/new"], [into], TIMEOUT_S * 5) == [True]
+    assert memory.read(into[0]) == b"before"
+    store.close()

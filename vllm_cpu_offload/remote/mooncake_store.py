@@ -87,6 +87,8 @@ class BoundedCaller:
         self._strikes = 0
         self._retry_at = 0.0
         self._reason = "connecting"
+        self._ever_up = False
+        self._down_logged = False  # one line per outage, one when it ends
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -127,18 +129,23 @@ class BoundedCaller:
 
     def mark_down(self, reason: str) -> None:
         with self._lock:
-            was_up = self._up.is_set()
             self._up.clear()
             self._strikes += 1
             backoff = self._min_backoff_s * 2 ** min(self._strikes - 1, 16)
             self._retry_at = time.monotonic() + min(backoff, self._max_backoff_s)
             self._reason = reason
+            log, self._down_logged = not self._down_logged, True
         # The thread may be waiting for a job with the store marked up: wake it to
         # start the back-off.
         self._jobs.put(_RECHECK)
-        if was_up:
+        if log and self._ever_up:
+            logger.warning("%s: %s; calls fail until it answers", self._name, reason)
+        elif log:
             logger.warning(
-                "%s: %s; calls fail until it answers again", self._name, reason
+                "%s is unreachable (%s); running without it and connecting when it "
+                "answers",
+                self._name,
+                reason,
             )
 
     def close(self, wait_s: float = 2.0) -> None:
@@ -149,7 +156,6 @@ class BoundedCaller:
         self._thread.join(wait_s)
 
     def _run(self) -> None:
-        down_logged = False
         while not self._closed:
             if not self._up.is_set():
                 delay = self._retry_at - time.monotonic()
@@ -160,21 +166,14 @@ class BoundedCaller:
                 try:
                     self._recover()
                 except Exception as e:  # noqa: BLE001 - retried after a back-off
-                    if not down_logged:
-                        logger.warning(
-                            "%s is unreachable (%s: %s); running without it and "
-                            "connecting when it answers",
-                            self._name,
-                            type(e).__name__,
-                            e,
-                        )
-                        down_logged = True
-                    self.mark_down(f"unreachable: {type(e).__name__}: {e}")
+                    self.mark_down(f"{type(e).__name__}: {e}")
                     continue
-                if down_logged:
-                    logger.info("%s answers again", self._name)
-                    down_logged = False
-                self._up.set()
+                with self._lock:
+                    if self._down_logged:
+                        logger.info("%s answers", self._name)
+                    self._down_logged = False
+                    self._ever_up = True
+                    self._up.set()
             job = self._jobs.get()
             if job is None:
                 break

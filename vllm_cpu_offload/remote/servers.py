@@ -152,6 +152,12 @@ class MooncakeServers:
         self._procs.wait_port("master", self.rpc_port)
         self._procs.wait_port("master", self.metadata_port)
 
+    def restart_master(self) -> None:
+        """SIGKILL and start again on the same ports: every value is gone, and the
+        storage node mounts its segment again by itself."""
+        self._procs.kill("master")
+        self.start_master()
+
     def pause_master(self) -> None:
         """SIGSTOP: the master takes connections and never answers (a hung host)."""
         self._procs.signal("master", signal.SIGSTOP)
