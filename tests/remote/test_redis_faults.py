@@ -152,3 +152,22 @@ def test_hung_server_times_out_and_recovers(
     wait_until_up(store)
     _round_trip(store, memory, "hung/2")
     store.close()
+
+
+def test_tls_with_acl(
+    redis_factory: Callable[..., RedisServer],
+    memory: HostMemory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # rediss:// with the server's CA and an ACL user round-trips; without the CA
+    # the certificate is refused and calls fail (construction still does not raise).
+    server = redis_factory(tls=True, username="kv", password="tls-pw")
+    monkeypatch.setenv(PASSWORD_ENV, "tls-pw")
+    untrusted = open_store(server.url.partition("?")[0], role="worker")
+    _fails_in_time(untrusted)
+    untrusted.close()
+    store = open_store(server.url, role="worker")
+    wait_until_up(store)
+    _round_trip(store, memory, "tls/1")
+    assert "TLS" in store.description
+    store.close()

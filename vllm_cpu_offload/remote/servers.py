@@ -219,6 +219,7 @@ class RedisServer:
         password: str | None = None,
         maxmemory: str | None = None,
         cluster: bool = False,
+        tls: bool = False,
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -230,20 +231,34 @@ class RedisServer:
         self._password = password
         self._maxmemory = maxmemory
         self._cluster = cluster
+        self._tls = tls
+        if tls and shutil.which("openssl") is None:
+            raise ServerUnavailable(
+                "openssl is not installed (it makes the test certificates); "
+                "apt-get install openssl"
+            )
         self.port = free_port()
         self._procs = _Processes("redis-")
 
     @property
     def url(self) -> str:
         user = f"{self._username}@" if self._username else ""
-        scheme = "redis+cluster" if self._cluster else "redis"
-        return f"{scheme}://{user}{LOOPBACK}:{self.port}"
+        scheme = ("rediss" if self._tls else "redis") + (
+            "+cluster" if self._cluster else ""
+        )
+        query = f"?ssl_ca_certs={self.ca_file}" if self._tls else ""
+        return f"{scheme}://{user}{LOOPBACK}:{self.port}{query}"
+
+    @property
+    def ca_file(self) -> Path:
+        """The CA that signed the server's certificate (with `tls=True`)."""
+        return self._procs.log_dir / "ca.crt"
 
     def start(self) -> RedisServer:
         argv = [
             self._binary,
             "--port",
-            str(self.port),
+            "0" if self._tls else str(self.port),  # with TLS, no plain port
             "--bind",
             LOOPBACK,
             "--save",
@@ -265,6 +280,21 @@ class RedisServer:
                 "~*",
                 "&*",
                 "+@all",
+            ]
+        if self._tls:
+            self._make_certificates()
+            folder = self._procs.log_dir
+            argv += [
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                str(folder / "server.crt"),
+                "--tls-key-file",
+                str(folder / "server.key"),
+                "--tls-ca-cert-file",
+                str(self.ca_file),
+                "--tls-auth-clients",
+                "no",
             ]
         if self._maxmemory:
             argv += ["--maxmemory", self._maxmemory, "--maxmemory-policy", "noeviction"]
@@ -298,6 +328,26 @@ class RedisServer:
     def stop(self) -> None:
         self._procs.kill_all()
         shutil.rmtree(self._procs.log_dir, ignore_errors=True)
+
+    def _make_certificates(self) -> None:
+        """A CA and a server certificate for 127.0.0.1 that it signed."""
+        folder = self._procs.log_dir
+        if (folder / "server.crt").exists():
+            return
+        (folder / "san.ext").write_text(f"subjectAltName=IP:{LOOPBACK}\n")
+        key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        for argv in (
+            ["req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.crt",
+             "-days", "2", "-subj", "/CN=vllm-cpu-offload test CA"],
+            ["req", *key, "-keyout", "server.key", "-out", "server.csr",
+             "-subj", f"/CN={LOOPBACK}"],
+            ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "server.crt", "-days", "2",
+             "-extfile", "san.ext"],
+        ):  # fmt: skip
+            subprocess.run(
+                ["openssl", *argv], cwd=folder, check=True, capture_output=True
+            )
 
     def _own_all_slots(self) -> None:
         import redis
