@@ -362,7 +362,11 @@ def shortfalls(paths: list[Path]) -> None:
                 cells.setdefault(key, {})[row["policy"]] = 100 * row["gap_closed"]
     policies = list(dict.fromkeys(p for cell in cells.values() for p in cell))
     print(f"{len(cells)} cells with a gap; shortfall = best anchor - policy, points")
-    print(f"{'policy':<36} {'within 1':>9} {'worst':>7} {'mean':>6} {'worst cell'}")
+    print("below LRU: cells where the policy closes under -1% of the gap")
+    print(
+        f"{'policy':<36} {'within 1':>9} {'worst':>7} {'mean':>6} {'below LRU':>9} "
+        f"{'mean gap':>8}  worst cell"
+    )
     for name in policies:
         falls = []
         for key, cell in cells.items():
@@ -372,9 +376,12 @@ def shortfalls(paths: list[Path]) -> None:
         within = sum(fall <= 1.0 for fall, _ in falls)
         worst = max(falls)
         mean = sum(fall for fall, _ in falls) / len(falls)
+        closed = [cell[name] for cell in cells.values() if name in cell]
+        below = sum(gap < -1.0 for gap in closed)
         print(
             f"{name:<36} {within:>4}/{len(falls):<4} {worst[0]:>7.1f} {mean:>6.1f} "
-            f"{worst[1][0]} {worst[1][1]}"
+            f"{below:>9} {sum(closed) / len(closed):>8.1f}  {worst[1][0]} "
+            f"{worst[1][1]}"
         )
     print("conversation, 8,000 blocks and up: gap closed / oracle-admit's")
     for key, cell in sorted(cells.items()):
