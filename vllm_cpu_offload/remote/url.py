@@ -22,6 +22,7 @@ with one line that names the fix. Imports the standard library only.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from urllib.parse import SplitResult, parse_qsl, urlsplit
@@ -31,7 +32,11 @@ from vllm_cpu_offload.errors import OffloadConfigError
 ENTRY_POINT_GROUP = "vllm_cpu_offload.remote_stores"
 PASSWORD_ENV = "VLLM_CPU_OFFLOAD_REMOTE_PASSWORD"
 PASSWORD_FILE_ENV = "VLLM_CPU_OFFLOAD_REMOTE_PASSWORD_FILE"
-MOONCAKE_METADATA_PORT = 8080  # mooncake_master --http_metadata_server_port default
+MOONCAKE_METADATA_PORT = 8080
+# "user:password@" after the scheme (or at the start of a URL without one).
+_USER_PART = re.compile(
+    r"^([^/?#]*//)?[^/?#@]*@"
+)  # mooncake_master --http_metadata_server_port default
 
 MOONCAKE_SCHEMES = ("mooncake",)
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
@@ -260,13 +265,6 @@ def _check_redis(
 
 
 def _error(url: object, problem: str) -> OffloadConfigError:
-    # A URL never holds a password past the check above, but a refused one may:
-    # show only its scheme and host part then.
-    shown = url if isinstance(url, str) else repr(url)
-    if (
-        isinstance(url, str)
-        and "@" in url
-        and ":" in url.partition("://")[2].split("@")[0]
-    ):
-        shown = url.partition("://")[0] + "://***@" + url.rpartition("@")[2]
+    # A refused URL may hold a password: its user part is never shown.
+    shown = _USER_PART.sub(r"\1***@", url) if isinstance(url, str) else repr(url)
     return OffloadConfigError(f"--swap-space-remote {shown} {problem}")
