@@ -3,6 +3,7 @@ point's scheme, and one-line refusals of bad ones."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -109,3 +110,17 @@ def test_bad_role() -> None:
     # A role other than the two sides is our bug, not the user's.
     with pytest.raises(ValueError, match="role"):
         open_store(f"py://{HERE}:DictStore", role="both")
+
+
+def test_missing_client_library_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A built-in scheme whose client library is absent: the pip line to fix it.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name: None if name == "redis" else real(name),
+    )
+    with pytest.raises(OffloadConfigError, match=r"vllm-cpu-offload\[redis\]"):
+        check_remote_url("redis://h:6379")

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_cpu_offload.remote.registry import open_store
 from vllm_cpu_offload.remote.servers import RedisServer, ServerUnavailable
-from vllm_cpu_offload.remote.store import RemoteStore
+from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError
 
 from .conftest import HostMemory, wait_until_up
 
@@ -95,3 +95,10 @@ def test_empty_batches(store: RemoteStore) -> None:
     assert store.exists([], TIMEOUT_S) == []
     assert store.put([], [], TIMEOUT_S) == []
     assert store.get([], [], TIMEOUT_S) == []
+
+
+def test_calls_after_close_fail(store: RemoteStore) -> None:
+    # A closed store refuses calls with the store's own error, at once.
+    store.close()
+    with pytest.raises(RemoteStoreError, match="closed"):
+        store.exists(["k"], TIMEOUT_S)
