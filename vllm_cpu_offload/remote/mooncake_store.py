@@ -272,7 +272,7 @@ class MooncakeRemoteStore(RemoteStore):
         if span.size <= 0:
             raise ValueError(f"cannot register an empty span: {span}")
         self._spans.append(span)
-        self._caller.submit(self._register_spans)
+        self._caller.submit(self._register_spans_or_log)
 
     def close(self) -> None:
         self._caller.close()
@@ -318,6 +318,13 @@ class MooncakeRemoteStore(RemoteStore):
         self._client = client
         self._registered = set()
         self._register_spans()
+
+    def _register_spans_or_log(self) -> None:
+        try:
+            self._register_spans()
+        except RemoteStoreError as e:
+            # Not fatal over TCP; over RDMA the calls on that memory will fail.
+            logger.warning("%s: %s (tried again on a reconnect)", self.description, e)
 
     def _register_spans(self) -> None:
         for span in self._spans:
