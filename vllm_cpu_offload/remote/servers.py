@@ -39,7 +39,7 @@ class _Processes:
         assert name not in self._procs, f"{name} runs already"
         with open(self.log_dir / f"{name}.log", "ab") as log:
             self._procs[name] = subprocess.Popen(
-                argv,
+                _dies_with_parent(argv),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -89,6 +89,14 @@ class _Processes:
     def tail(self, name: str) -> str:
         text = (self.log_dir / f"{name}.log").read_text(errors="replace")
         return " | ".join(text.strip().splitlines()[-5:])
+
+
+def _dies_with_parent(argv: list[str]) -> list[str]:
+    """`argv` run so that it gets SIGKILL when the thread that started it ends: a test
+    run that is killed leaves no server behind (util-linux's setpriv; without it,
+    `argv` as it is). setpriv execs, so the child's pid is the server's."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else argv
 
 
 def free_port() -> int:
