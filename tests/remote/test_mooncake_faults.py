@@ -40,11 +40,11 @@ def _open(servers: MooncakeServers, memory: HostMemory) -> RemoteStore:
 def test_full_pool_refuses(
     mooncake_factory: Callable[..., MooncakeServers], memory: HostMemory
 ) -> None:
-    # A 16 MB pool takes some 1 MiB values of a batch of 24 and refuses the rest.
+    # A 16 MB pool takes some 1 MiB values of a batch of 40 and refuses the rest.
     servers = mooncake_factory("16MB")
     store = _open(servers, memory)
     wait_until_up(store)
-    keys = [f"full/{i}" for i in range(24)]
+    keys = [f"full/{i}" for i in range(40)]
     values = [[memory.span(0, VALUE)] for _ in keys]
     stored = store.put(keys, values, timeout_s=30.0)
     assert any(stored) and not all(stored)
