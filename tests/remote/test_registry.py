@@ -1,0 +1,126 @@
+"""Backends by URL: the built-ins, a user's class by `py://` import path or by an entry
+point's scheme, and one-line refusals of bad ones."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from vllm_cpu_offload.errors import OffloadConfigError
+from vllm_cpu_offload.remote.mooncake_store import MooncakeRemoteStore
+from vllm_cpu_offload.remote.redis_store import RedisRemoteStore
+from vllm_cpu_offload.remote.registry import check_remote_url, open_store
+from vllm_cpu_offload.remote.store import RemoteStore, Span
+from vllm_cpu_offload.remote.url import ENTRY_POINT_GROUP, RemoteUrl
+
+
+class DictStore(RemoteStore):
+    """A user's backend: a dict in this process."""
+
+    def __init__(self, url: RemoteUrl, *, role: str) -> None:
+        self.url, self.role = url, role
+        self.values: dict[str, bytes] = {}
+
+    def exists(self, keys: Sequence[str], timeout_s: float) -> list[bool]:
+        return [k in self.values for k in keys]
+
+    def put(
+        self, keys: Sequence[str], values: Sequence[Sequence[Span]], timeout_s: float
+    ) -> list[bool]:
+        return [True for _ in keys]
+
+    def get(
+        self, keys: Sequence[str], into: Sequence[Sequence[Span]], timeout_s: float
+    ) -> list[bool]:
+        return [False for _ in keys]
+
+    @property
+    def description(self) -> str:
+        return "a dict"
+
+
+class HalfStore(RemoteStore):
+    """Forgets `get` and `description`."""
+
+    def exists(self, keys: Sequence[str], timeout_s: float) -> list[bool]:
+        return []
+
+    def put(
+        self, keys: Sequence[str], values: Sequence[Sequence[Span]], timeout_s: float
+    ) -> list[bool]:
+        return []
+
+
+class NotAStore:
+    pass
+
+
+HERE = __name__
+
+
+def test_builtins_resolve_without_connecting() -> None:
+    # Checking a built-in URL names its class and connects to nothing.
+    assert check_remote_url("mooncake://10.255.0.1:1")[0] is MooncakeRemoteStore
+    assert check_remote_url("rediss+cluster://h:1")[0] is RedisRemoteStore
+
+
+def test_user_class_by_import_path() -> None:
+    # py://module:Class builds that class with the parsed URL and the role.
+    store = open_store(f"py://{HERE}:DictStore?bucket=b", role="scheduler")
+    assert isinstance(store, DictStore)
+    assert store.role == "scheduler" and store.url.option("bucket") == "b"
+
+
+@pytest.mark.parametrize(
+    ("target", "fix"),
+    [
+        (f"{HERE}:NotAStore", "subclass it"),
+        (f"{HERE}:HalfStore", "implement every abstract method"),
+        (f"{HERE}:Nothing", "fix the path"),
+        ("no_such_pkg.mod:Store", "install it or fix the path"),
+    ],
+)
+def test_bad_user_classes_are_refused(target: str, fix: str) -> None:
+    # A class that is missing or not a complete RemoteStore: one line with the fix.
+    with pytest.raises(OffloadConfigError) as raised:
+        check_remote_url(f"py://{target}")
+    assert "\n" not in str(raised.value) and fix in str(raised.value)
+
+
+def test_entry_point_scheme(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A scheme an installed distribution declares resolves to its class; a broken
+    # entry point is refused with the group named.
+    info = tmp_path / "dictstore-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Name: dictstore\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\ndict = {HERE}:DictStore\nbroken = nowhere:X\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    store = open_store("dict://somewhere:9?x=1", role="worker")
+    assert isinstance(store, DictStore) and store.url.host == "somewhere"
+    with pytest.raises(OffloadConfigError, match=ENTRY_POINT_GROUP):
+        check_remote_url("broken://h:1")
+
+
+def test_bad_role() -> None:
+    # A role other than the two sides is our bug, not the user's.
+    with pytest.raises(ValueError, match="role"):
+        open_store(f"py://{HERE}:DictStore", role="both")
+
+
+def test_missing_client_library_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A built-in scheme whose client library is absent: the pip line to fix it.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name: None if name == "redis" else real(name),
+    )
+    with pytest.raises(OffloadConfigError, match=r"vllm-cpu-offload\[redis\]"):
+        check_remote_url("redis://h:6379")
