@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import BLOCK_SIZE
 from tests.e2e.servers import RunningServer, metrics, running_server
 from tests.e2e.test_serving_load import OFFLOAD, complete, idle, settled_metrics
-from vllm_cpu_offload.remote.servers import (
+from vllm_cpu_offload.testing.store_servers import (
     MooncakeServers,
     RedisServer,
     ServerUnavailable,

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from vllm_cpu_offload.remote.servers import (
+from vllm_cpu_offload.testing.store_servers import (
     MooncakeServers,
     RedisServer,
     ServerUnavailable,

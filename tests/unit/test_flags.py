@@ -71,6 +71,18 @@ def test_cli_parser_has_both_flags_and_builds_engine_args() -> None:
         ({"enable_cpu_offload": True, "swap_space": "1000000"}, "lower --swap-space"),
         ({"swap_space": "2"}, "needs --enable-cpu-offload"),
         (
+            {"swap_space_remote": "redis://127.0.0.1:6379"},
+            "--swap-space-remote puts a shared store behind the host KV tier",
+        ),
+        (
+            {"enable_cpu_offload": True, "swap_space_remote": "memcached://h:1"},
+            "memcached",
+        ),
+        (
+            {"enable_cpu_offload": True, "swap_space_remote": "redis://u:pw@h:6379"},
+            "VLLM_CPU_OFFLOAD_REMOTE_PASSWORD",
+        ),
+        (
             {"swap_space_path": "/tmp/tier"},
             "--swap-space-path keeps the host KV tier in files",
         ),
@@ -345,3 +357,23 @@ def test_offload_block_size_refuses_sliding_window_layers(tiny_model: str) -> No
     )
     with pytest.raises(OffloadConfigError, match="needs full attention"):
         args.create_engine_config()
+
+
+def test_swap_space_remote_reaches_the_connector_config() -> None:
+    # --swap-space-remote URL: validated without connecting, carried to the extra
+    # config; remote_timeout_s from --kv-transfer-config.
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns = parser.parse_args(
+        [
+            "--model",
+            "m",
+            "--enable-cpu-offload",
+            "--swap-space-remote",
+            "mooncake://10.0.0.5:50051",
+        ]
+    )
+    config = flags.resolve_offload(AsyncEngineArgs.from_cli_args(ns))
+    assert config is not None and config.remote_url == "mooncake://10.0.0.5:50051"
+    assert OffloadConfig.from_extra_config(config.to_extra_config()) == config
+    with pytest.raises(OffloadConfigError, match="remote_timeout_s must be a positive"):
+        flags.resolve_offload(_args(kv_transfer_config=_extra(remote_timeout_s=0)))
