@@ -100,6 +100,7 @@ PLUGIN_ONLY_TESTS = {
 REWRITES: tuple[tuple[str, str], ...] = (
     ("vllm_cpu_offload.testing.tiny_model", f"{TESTS_MOD}.tiny_model"),
     ("vllm_cpu_offload.eviction_policies", "vllm.cpu_offload.eviction_policies"),
+    ("vllm_cpu_offload.remote_stores", "vllm.cpu_offload.remote_stores"),
     ("tests.external_policy", f"{TESTS_MOD}.external_policy"),
     ("tests.kernels.", f"{TESTS_MOD}.kernels."),
     ("tests.unit.", f"{TESTS_MOD}."),

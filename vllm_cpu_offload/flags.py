@@ -162,7 +162,6 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
 
 def available_host_memory_bytes() -> int:
     """Host memory that can be allocated now (MemAvailable), in bytes."""
-
     return int(psutil.virtual_memory().available)
 
 

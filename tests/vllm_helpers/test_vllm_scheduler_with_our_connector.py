@@ -16,6 +16,7 @@ block shows as a wrong value, whichever path brought it.
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -49,7 +50,9 @@ class Engine:
     """vLLM's Scheduler (with our scheduler-role connector) and our worker-role
     connector."""
 
-    def __init__(self, utils: ModuleType, model: str) -> None:
+    def __init__(
+        self, utils: ModuleType, model: str, remote_url: str | None = None
+    ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.kv_cache_interface import (
             FullAttentionSpec,
@@ -69,7 +72,8 @@ class Engine:
             kv_connector_module_path="vllm_cpu_offload.connector",
             kv_role="kv_both",
             kv_connector_extra_config={
-                "swap_space_gib": HOST_BLOCKS * PAGE_BYTES / (1 << 30)
+                "swap_space_gib": HOST_BLOCKS * PAGE_BYTES / (1 << 30),
+                **({"remote_url": remote_url} if remote_url else {}),
             },
             kv_load_failure_policy="recompute",
         )
@@ -115,6 +119,7 @@ class Engine:
 
     def step(self) -> Any:
         out = self.scheduler.schedule()
+        self.last_scheduled_tokens = out.total_num_scheduled_tokens
         meta = out.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
@@ -123,7 +128,9 @@ class Engine:
         wrong = self._forward(out.num_scheduled_tokens)
         self.worker.save_kv_layer("layer", self.kv, None)  # type: ignore[arg-type]
         self.worker.wait_for_save()
-        finished_sending, _ = self.worker.get_finished(set(out.finished_req_ids))
+        finished_sending, finished_recving = self.worker.get_finished(
+            set(out.finished_req_ids)
+        )
         invalid = self.worker.get_block_ids_with_load_errors()
         # Only blocks whose load failed may be wrong; vLLM discards this step's output
         # for their requests and recomputes them.
@@ -135,6 +142,7 @@ class Engine:
         output = self.utils.create_model_runner_output(
             requests,
             finished_sending=finished_sending,
+            finished_recving=finished_recving,
             invalid_block_ids=invalid or None,
             kv_connector_worker_meta=report,
         )
@@ -143,11 +151,19 @@ class Engine:
     def run(self, *requests: Any, max_steps: int = 400) -> None:
         for request in requests:
             self.scheduler.add_request(request)
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                return
+        steps = 0
+        deadline = time.monotonic() + 120
+        while self.scheduler.has_requests():
             self.step()
-        raise AssertionError("requests did not finish")
+            # Steps that schedule nothing (a request waits for the shared store's
+            # fetch, on the worker's store thread) do not count, and yield the core.
+            if self.last_scheduled_tokens:
+                steps += 1
+            else:
+                time.sleep(0.001)
+            assert steps < max_steps and time.monotonic() < deadline, (
+                "requests did not finish"
+            )
 
     def request(self, seed: int, num_tokens: int, max_tokens: int = 8) -> Any:
         request = self.utils.create_request(
@@ -251,3 +267,80 @@ def test_sleep_sequence_empties_the_tier_and_keeps_every_slot_right(
     assert engine.tier.stats.loaded_blocks == loaded  # recomputed, checked slot by slot
     assert engine.tier.stats.stored_blocks > stored  # and the tier fills again
     _assert_drained(engine)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    from vllm_cpu_offload.testing.store_servers import RedisServer, ServerUnavailable
+
+    try:
+        server = RedisServer().start()
+    except ServerUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def engines(
+    vllm_utils: ModuleType, tiny_model: str, redis_url: str
+) -> Iterator[tuple[Engine, Engine]]:
+    # Two engines on one store, each with its own (empty) device cache and host tier.
+    pair = (
+        Engine(vllm_utils, tiny_model, redis_url),
+        Engine(vllm_utils, tiny_model, redis_url),
+    )
+    yield pair
+    for engine in pair:
+        engine.worker.shutdown()
+
+
+def _written_through(engine: Engine) -> None:
+    assert engine.worker.worker is not None
+    io = engine.worker.worker.remote_io
+    assert io is not None and io.wait_idle(60)
+
+
+def test_a_prefix_another_engine_computed_comes_from_the_shared_store(
+    engines: tuple[Engine, Engine],
+) -> None:
+    # A computes and writes through; B loads the prefix from the store across steps
+    # (vLLM's waiting-for-remote-KV state), and every loaded slot holds its token.
+    a, b = engines
+    a.run(a.request(1, 5 * BLOCK_SIZE + 3))
+    _written_through(a)
+    checked = b.checked_slots
+    request = b.request(1, 5 * BLOCK_SIZE + 3)
+    b.run(request)
+    assert b.tier.stats.remote_hit_tokens == 5 * BLOCK_SIZE
+    assert b.checked_slots - checked >= 5 * BLOCK_SIZE
+    assert b.invalid_blocks == 0 and len(request.output_token_ids) == 8
+    # The fetched blocks are B's host blocks now: a re-read is a plain host hit.
+    assert b.tier.stats.remote_fetched_blocks == 5
+    for engine in engines:
+        _written_through(engine)
+        engine.run()
+        _assert_drained(engine)
+
+
+def test_a_request_aborted_while_it_waits_for_the_store_frees_everything(
+    engines: tuple[Engine, Engine],
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    a, b = engines
+    a.run(a.request(2, 5 * BLOCK_SIZE + 3))
+    _written_through(a)
+    request = b.request(2, 5 * BLOCK_SIZE + 3)
+    b.scheduler.add_request(request)
+    b.step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    b.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    deadline = time.monotonic() + 60
+    while b.scheduler.requests or b.tier.num_jobs_in_flight:
+        b.step()
+        time.sleep(0.001)
+        assert time.monotonic() < deadline, "the aborted request was never freed"
+    _assert_drained(b)

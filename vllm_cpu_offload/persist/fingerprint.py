@@ -111,8 +111,11 @@ def this_worker_name() -> str:
     from vllm.distributed.parallel_state import (
         get_pp_group,
         get_tensor_model_parallel_rank,
+        model_parallel_is_initialized,
     )
 
+    if not model_parallel_is_initialized():
+        return rank_name(0, 0)  # a worker outside vLLM's process groups is alone
     return rank_name(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
 
 

@@ -98,8 +98,9 @@ class _RequestState:
     # asked for it again (a store that lists blocks it cannot serve would otherwise
     # send the request round and round).
     remote_failed: bool = False
-    # Jobs that read or write the request's device blocks (stores, async loads): its
-    # blocks outlive it until they are done.
+    # Store jobs in flight: the request's device blocks outlive it until they are
+    # done. (An async load needs no such care: vLLM keeps the blocks of a request
+    # that waits for remote KV until the workers report the load.)
     store_jobs: set[int] = field(default_factory=set)
 
 
@@ -377,7 +378,6 @@ class HostTierScheduler:
         unloadable = [ids[j] for j in range(loaded_to, end)]
         job = self._new_job("async", request.request_id, host_keys)
         self._jobs[job].fetched = fetched
-        state.store_jobs.add(job)
         self._step_async_loads.append(
             AsyncLoad(
                 load=BlockTransfer(job, device_ids, slots, req_id=request.request_id),
@@ -599,7 +599,6 @@ class HostTierScheduler:
                 self._fetch_results.pop(job_id, None)
                 self._fetch_reports.pop(job_id, None)
             self.pool.unpin(job.keys)
-            self._release_device_job(job.req_id, job_id)
             return
         self.pool.complete_store(job.keys, success, job.stored)
         if success and self.remote is not None:
@@ -616,14 +615,10 @@ class HostTierScheduler:
                 stored[cast(tuple[int, Any], key)[0]] += self.blocks_per_host_block
         else:
             self.stats.failed_stores += 1
-        self._release_device_job(job.req_id, job_id)
-
-    def _release_device_job(self, req_id: str, job_id: int) -> None:
-        """A job that read or wrote the request's device blocks ended."""
-        state = self._requests.get(req_id)
+        state = self._requests.get(job.req_id)
         if state is not None:
             state.store_jobs.discard(job_id)
-        elif (awaiting := self._awaiting_stores.get(req_id)) is not None:
+        elif (awaiting := self._awaiting_stores.get(job.req_id)) is not None:
             awaiting.discard(job_id)
 
     def request_finished(self, request: Request) -> bool:

@@ -71,11 +71,12 @@ class HostTierWorker:
         self.data_file = data_file
         self.engine: TransferEngine | None = None
         self._step_stores: list[BlockTransfer] = []
-        # store or async load job in flight -> its request
-        self._store_req: dict[int, str] = {}
+        self._store_req: dict[int, str] = {}  # store job in flight -> its request
+        # async load in flight -> its request, reported in `finished_recving` when done
+        self._async_req: dict[int, str] = {}
         # load in flight -> its device block ids
         self._load_device_blocks: dict[int, Sequence[int]] = {}
-        # request -> jobs in flight on its device blocks (stores, async loads)
+        # request -> store jobs in flight
         self._stores_in_flight: Counter[str] = Counter()
         self.remote = remote
         self.remote_io: RemoteIO | None = None
@@ -152,8 +153,7 @@ class HostTierWorker:
         """Fetches the hit's missing blocks on the store thread; `get_finished` loads
         the hit once they are in host memory."""
         load = async_load.load
-        self._store_req[load.job_id] = load.req_id
-        self._stores_in_flight[load.req_id] += 1
+        self._async_req[load.job_id] = load.req_id
         self._async_loads[load.job_id] = async_load
         if self.remote_io is None:
             # No store here (it failed to open): nothing arrives.
@@ -291,7 +291,7 @@ class HostTierWorker:
             # An async load: vLLM recomputes what it did not fill, and may schedule
             # the request again.
             self._load_errors.update(unloaded)
-            self._finished_recving.add(self._store_req[job_id])
+            self._finished_recving.add(self._async_req.pop(job_id))
         write = self._writes.pop(job_id, None)
         if write is not None:
             if stored and self.remote_io is not None:
@@ -338,7 +338,9 @@ class HostTierWorker:
     def shutdown(self) -> None:
         self.drain()
         if self.remote_io is not None:
-            # Writes still queued are dropped: the store is a cache.
+            # Writes still queued get a bounded while to land (other engines may read
+            # them soon); past it they are dropped: the store is a cache.
+            self.remote_io.wait_idle(2 * self.remote_io.timeout_s)
             self.remote_io.close()
         if self.data_file is not None:
             self.data_file.close()
