@@ -51,7 +51,11 @@ class Engine:
     connector."""
 
     def __init__(
-        self, utils: ModuleType, model: str, remote_url: str | None = None
+        self,
+        utils: ModuleType,
+        model: str,
+        remote_url: str | None = None,
+        offload_block_size: int | None = None,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.kv_cache_interface import (
@@ -74,6 +78,11 @@ class Engine:
             kv_connector_extra_config={
                 "swap_space_gib": HOST_BLOCKS * PAGE_BYTES / (1 << 30),
                 **({"remote_url": remote_url} if remote_url else {}),
+                **(
+                    {"offload_block_size": offload_block_size}
+                    if offload_block_size
+                    else {}
+                ),
             },
             kv_load_failure_policy="recompute",
         )
@@ -283,14 +292,18 @@ def redis_url() -> Iterator[str]:
         server.stop()
 
 
-@pytest.fixture
+@pytest.fixture(params=[None, 2 * BLOCK_SIZE], ids=["k1", "k2"])
 def engines(
-    vllm_utils: ModuleType, tiny_model: str, redis_url: str
+    vllm_utils: ModuleType,
+    tiny_model: str,
+    redis_url: str,
+    request: pytest.FixtureRequest,
 ) -> Iterator[tuple[Engine, Engine]]:
-    # Two engines on one store, each with its own (empty) device cache and host tier.
+    # Two engines on one store, each with its own (empty) device cache and host tier;
+    # host blocks of one device block, and of two.
     pair = (
-        Engine(vllm_utils, tiny_model, redis_url),
-        Engine(vllm_utils, tiny_model, redis_url),
+        Engine(vllm_utils, tiny_model, redis_url, request.param),
+        Engine(vllm_utils, tiny_model, redis_url, request.param),
     )
     yield pair
     for engine in pair:
@@ -309,16 +322,16 @@ def test_a_prefix_another_engine_computed_comes_from_the_shared_store(
     # A computes and writes through; B loads the prefix from the store across steps
     # (vLLM's waiting-for-remote-KV state), and every loaded slot holds its token.
     a, b = engines
-    a.run(a.request(1, 5 * BLOCK_SIZE + 3))
+    a.run(a.request(1, 6 * BLOCK_SIZE + 3))
     _written_through(a)
     checked = b.checked_slots
-    request = b.request(1, 5 * BLOCK_SIZE + 3)
+    request = b.request(1, 6 * BLOCK_SIZE + 3)
     b.run(request)
-    assert b.tier.stats.remote_hit_tokens == 5 * BLOCK_SIZE
-    assert b.checked_slots - checked >= 5 * BLOCK_SIZE
+    assert b.tier.stats.remote_hit_tokens == 6 * BLOCK_SIZE
+    assert b.checked_slots - checked >= 6 * BLOCK_SIZE
     assert b.invalid_blocks == 0 and len(request.output_token_ids) == 8
-    # The fetched blocks are B's host blocks now: a re-read is a plain host hit.
-    assert b.tier.stats.remote_fetched_blocks == 5
+    # The fetched blocks are B's host blocks now.
+    assert b.tier.stats.remote_fetched_blocks == 6 // b.tier.blocks_per_host_block
     for engine in engines:
         _written_through(engine)
         engine.run()
