@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError, Span
 from vllm_cpu_offload.testing.store_servers import (
     MooncakeServers,
     RedisServer,
     ServerUnavailable,
 )
-from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError, Span
 
 # Generous: two busy cores; the tests assert outcomes, not durations.
 UP_WITHIN_S = 90.0

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from vllm_cpu_offload.remote.mooncake_store import RemoteCallTimeout
 from vllm_cpu_offload.remote.registry import open_store
-from vllm_cpu_offload.testing.store_servers import MooncakeServers
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError, Span
+from vllm_cpu_offload.testing.store_servers import MooncakeServers
 
 from .conftest import HostMemory, wait_until_up
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from vllm_cpu_offload.remote.registry import open_store
-from vllm_cpu_offload.testing.store_servers import RedisServer
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError
 from vllm_cpu_offload.remote.url import PASSWORD_ENV, PASSWORD_FILE_ENV
+from vllm_cpu_offload.testing.store_servers import RedisServer
 
 from .conftest import HostMemory, wait_until_up
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from vllm_cpu_offload.remote.registry import open_store
-from vllm_cpu_offload.testing.store_servers import RedisServer, ServerUnavailable
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError
+from vllm_cpu_offload.testing.store_servers import RedisServer, ServerUnavailable
 
 from .conftest import HostMemory, wait_until_up
 

@@ -14,9 +14,13 @@ from vllm_cpu_offload.block_transfer import RemoteBlocks
 from vllm_cpu_offload.remote import value_format
 from vllm_cpu_offload.remote.namespace import shard_key
 from vllm_cpu_offload.remote.registry import open_store
-from vllm_cpu_offload.testing.store_servers import RedisServer, ServerUnavailable, free_port
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError, Span
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
+from vllm_cpu_offload.testing.store_servers import (
+    RedisServer,
+    ServerUnavailable,
+    free_port,
+)
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults
