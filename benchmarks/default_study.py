@@ -10,6 +10,12 @@ uses, the pool switches: the blocks move to a fresh policy of the leader in the 
 one's victim order, oldest first (O(C) per switch, O(1) per block amortised over the
 dwell). A study, not a built-in: the study runs it through an import path.
 
+`RequestDuelPolicy` is the same duel between LIRS and LRU with shadows that count prefix
+hits; the harness hands it each request (`request-duel`, `request-duel-lru`,
+`request-duel-fast` in `--policies`). The other candidates (LIRS with other HIR shares,
+adapted as CLOCK-Pro does or balanced as ARC does) run by import path,
+`default_study:LIRS10Policy` and so on.
+
 Usage: python benchmarks/default_study.py [hit_rate_table.py arguments]
            # runs the table with `default_study:DuelPolicy` added
        python benchmarks/default_study.py --shortfalls RESULT.json ...
@@ -195,6 +201,68 @@ class LIRSOrLRUPolicy(DuelFromLIRSPolicy):
 
     name = "lirs_or_lru"
     candidates = ("lirs", "lru")
+
+
+class RequestDuelPolicy(DuelPolicy):
+    """The LIRS/LRU duel with shadows that count prefix hits. Each request's keys are
+    sampled by hash (1 in M), and the sampled keys, in chain order, are a request to
+    each shadow: a host tier of C/M blocks that serves it as the pool does, given how
+    many of them the device holds. A prefix that hits in the pool has its sampled keys
+    hit in the shadow, so the shadow's prefix hits estimate the pool's, 1 in M. The
+    pool's interface does not show a policy its lookups, so `RequestDuelTier` hands
+    each request over; a built-in would need a pool hook for that (the keys and the
+    device hit count, O(1) per block)."""
+
+    name = "request_duel"
+    candidates = ("lirs", "lru")
+    start = "lirs"
+    dwell = 0.5
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        from trace_replay import OurTier
+
+        cap = max(1, num_blocks // self.modulus)
+        self._tiers = [OurTier(name, cap) for name in self.candidates]
+        self._shadows = []
+        self._half_life = 4 * cap
+
+    def _observe(self, key: BlockKey) -> None:
+        pass
+
+    def observe_request(
+        self, index: int, keys: Sequence[int], device_hits: int
+    ) -> None:
+        mask = self.modulus - 1
+        sampled = [key for key in keys if not hash(key) & mask]
+        if not sampled:
+            return
+        on_device = sum(1 for key in keys[:device_hits] if not hash(key) & mask)
+        for i, tier in enumerate(self._tiers):
+            self._hits[i] += tier.serve(index, sampled, on_device)
+        before = self._uses
+        self._uses += len(sampled) - on_device
+        if self._uses // self._half_life > before // self._half_life:
+            self._hits = [hits / 2 for hits in self._hits]
+
+
+class FastRequestDuelPolicy(RequestDuelPolicy):
+    """The prefix-hit duel from LIRS, deciding faster: a dwell of a quarter of the
+    capacity, and hit counts halved every 2 shadow capacities of sampled uses."""
+
+    name = "request_duel_fast"
+    dwell = 0.25
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self._half_life = max(1, 2 * (num_blocks // self.modulus))
+
+
+class RequestDuelFromLRUPolicy(RequestDuelPolicy):
+    """The prefix-hit duel, starting from LRU."""
+
+    name = "request_duel_lru"
+    start = "lru"
 
 
 class AdaptiveLIRSPolicy(LIRSPolicy):
@@ -403,8 +471,46 @@ def shortfalls(paths: list[Path]) -> None:
             print(f"  {key[1]:>6}: {shares}")
 
 
+def _request_duel_tiers() -> None:
+    """Makes hit_rate_table build `RequestDuelTier`s for "request-duel"."""
+    import hit_rate_table
+    from trace_replay import OurTier
+
+    class RequestDuelTier(OurTier):
+        policy_class: type[RequestDuelPolicy] = RequestDuelPolicy
+
+        def __init__(self, capacity: int) -> None:
+            self.policy = self.policy_class(capacity)
+            self.pool = HostBlockPool(capacity, self.policy, record_events=False)
+
+        def serve(self, index: int, keys: Sequence[int], gpu_hits: int) -> int:
+            self.policy.observe_request(index, keys, gpu_hits)
+            return super().serve(index, keys, gpu_hits)
+
+    class RequestDuelFromLRUTier(RequestDuelTier):
+        policy_class = RequestDuelFromLRUPolicy
+
+    class FastRequestDuelTier(RequestDuelTier):
+        policy_class = FastRequestDuelPolicy
+
+    make_tier = hit_rate_table.tier_factory
+
+    def tier_factory(name: str, upcoming: list[list[int]]):  # type: ignore[no-untyped-def]
+        if name == "request-duel":
+            return RequestDuelTier
+        if name == "request-duel-lru":
+            return RequestDuelFromLRUTier
+        if name == "request-duel-fast":
+            return FastRequestDuelTier
+        return make_tier(name, upcoming)
+
+    hit_rate_table.tier_factory = tier_factory
+
+
 if __name__ == "__main__":
     import hit_rate_table
+
+    _request_duel_tiers()
 
     if sys.argv[1:2] == ["--shortfalls"]:
         shortfalls([Path(arg) for arg in sys.argv[2:]])
