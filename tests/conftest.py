@@ -4,6 +4,7 @@ uses."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,3 +20,19 @@ def tiny_model() -> str:
     from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
 
     return str(ensure_tiny_llama())
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A redis-server on loopback for the shared tier's tests (its keys are namespaced
+    by what the blocks depend on, so tests do not see each other's by accident)."""
+    from vllm_cpu_offload.testing.store_servers import RedisServer, ServerUnavailable
+
+    try:
+        server = RedisServer().start()
+    except ServerUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield server.url
+    finally:
+        server.stop()

@@ -21,7 +21,6 @@ from tests.e2e.servers import RunningServer, metrics, running_server
 from tests.e2e.test_serving_load import OFFLOAD, complete, idle, settled_metrics
 from vllm_cpu_offload.testing.store_servers import (
     MooncakeServers,
-    RedisServer,
     ServerUnavailable,
     free_port,
 )
@@ -36,18 +35,6 @@ HITS = (BLOCKS - 1) * BLOCK_SIZE
 
 # Mooncake's client advertises this address, not the machine's first one.
 MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-
-
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    try:
-        server = RedisServer().start()
-    except ServerUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterator
 
-import pytest
 import torch
 
 from vllm_cpu_offload.block_transfer import RemoteBlocks
@@ -17,8 +15,6 @@ from vllm_cpu_offload.remote.registry import open_store
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError, Span
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.testing.store_servers import (
-    RedisServer,
-    ServerUnavailable,
     free_port,
 )
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
@@ -27,18 +23,6 @@ from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults
 
 NAMESPACE = "vco-test"
 HOST_BLOCKS = 8
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    try:
-        server = RedisServer().start()
-    except ServerUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 def _host(seed: int) -> HostBuffer:

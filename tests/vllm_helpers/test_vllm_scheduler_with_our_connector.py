@@ -278,20 +278,6 @@ def test_sleep_sequence_empties_the_tier_and_keeps_every_slot_right(
     _assert_drained(engine)
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    from vllm_cpu_offload.testing.store_servers import RedisServer, ServerUnavailable
-
-    try:
-        server = RedisServer().start()
-    except ServerUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
 @pytest.fixture(params=[None, 2 * BLOCK_SIZE], ids=["k1", "k2"])
 def engines(
     vllm_utils: ModuleType,

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 from importlib.metadata import entry_points
 
 from vllm_cpu_offload.errors import OffloadConfigError
+from vllm_cpu_offload.user_classes import checked_subclass, import_attribute
 
 from .store import RemoteStore
 from .url import (
@@ -99,32 +99,14 @@ def open_store(url: str, *, role: str) -> RemoteStore:
 
 def _import(path: str, url: str) -> object:
     module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
-        raise OffloadConfigError(
-            f"--swap-space-remote {url}: cannot import module {module_name!r} "
-            f"({type(e).__name__}: {e}); install it or fix the path"
-        ) from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise OffloadConfigError(
-            f"--swap-space-remote {url}: module {module_name!r} has no {attr!r}; fix "
-            "the path"
-        ) from None
+    return import_attribute(module_name, attr, f"--swap-space-remote {url}")
 
 
 def _checked(url: str, obj: object) -> type[RemoteStore]:
-    if not (inspect.isclass(obj) and issubclass(obj, RemoteStore)):
-        raise OffloadConfigError(
-            f"--swap-space-remote {url} names {obj!r}, which is not a subclass of "
-            f"{RemoteStore.__module__}.RemoteStore; subclass it"
-        )
-    missing = sorted(getattr(obj, "__abstractmethods__", ()))
-    if missing:
-        raise OffloadConfigError(
-            f"--swap-space-remote {url}: {obj.__qualname__} does not implement "
-            f"{', '.join(missing)}; implement every abstract method of RemoteStore"
-        )
-    return obj
+    return checked_subclass(
+        obj,
+        RemoteStore,
+        RemoteStore.__module__,
+        f"--swap-space-remote {url}",
+        "method",
+    )

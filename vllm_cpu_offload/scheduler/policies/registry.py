@@ -15,11 +15,10 @@ starts. This module imports neither vLLM nor a policy it is not asked for.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from importlib.metadata import entry_points
 
 from vllm_cpu_offload.errors import OffloadConfigError
+from vllm_cpu_offload.user_classes import checked_subclass, import_attribute
 
 from .base import EvictionPolicy
 
@@ -82,32 +81,10 @@ def _import(path: str, name: str) -> object:
             f"eviction_policy {name!r} is not an import path; write it as "
             "'my_pkg.module:MyPolicy'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
-        raise OffloadConfigError(
-            f"eviction_policy {name!r}: cannot import module {module_name!r} "
-            f"({type(e).__name__}: {e}); install it or fix the path"
-        ) from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise OffloadConfigError(
-            f"eviction_policy {name!r}: module {module_name!r} has no {attr!r}; fix "
-            "the path"
-        ) from None
+    return import_attribute(module_name, attr, f"eviction_policy {name!r}")
 
 
 def _checked(name: str, obj: object) -> type[EvictionPolicy]:
-    if not (inspect.isclass(obj) and issubclass(obj, EvictionPolicy)):
-        raise OffloadConfigError(
-            f"eviction_policy {name!r} names {obj!r}, which is not a subclass of "
-            f"{__package__}.EvictionPolicy; subclass it"
-        )
-    missing = sorted(getattr(obj, "__abstractmethods__", ()))
-    if missing:
-        raise OffloadConfigError(
-            f"eviction_policy {name!r}: {obj.__qualname__} does not implement "
-            f"{', '.join(missing)}; implement every abstract hook of EvictionPolicy"
-        )
-    return obj
+    return checked_subclass(
+        obj, EvictionPolicy, str(__package__), f"eviction_policy {name!r}", "hook"
+    )
