@@ -12,9 +12,9 @@ dwell). A study, not a built-in: the study runs it through an import path.
 
 `RequestDuelPolicy` is the same duel between LIRS and LRU with shadows that count prefix
 hits; the harness hands it each request (`request-duel`, `request-duel-lru`,
-`request-duel-fast` in `--policies`). The other candidates (LIRS with other HIR shares,
-adapted as CLOCK-Pro does or balanced as ARC does) run by import path,
-`default_study:LIRS10Policy` and so on.
+`request-duel-fast`, `request-duel3` in `--policies`). The other candidates (LIRS with
+other HIR shares, adapted as CLOCK-Pro does or balanced as ARC does) run by import
+path, `default_study:LIRS10Policy` and so on.
 
 Usage: python benchmarks/default_study.py [hit_rate_table.py arguments]
            # runs the table with `default_study:DuelPolicy` added
@@ -265,6 +265,14 @@ class RequestDuelFromLRUPolicy(RequestDuelPolicy):
     start = "lru"
 
 
+class ThreeWayRequestDuelPolicy(RequestDuelPolicy):
+    """The prefix-hit duel with S3-FIFO as a third candidate, from LRU."""
+
+    name = "request_duel3"
+    candidates = ("lirs", "lru", "s3fifo")
+    start = "lru"
+
+
 class AdaptiveLIRSPolicy(LIRSPolicy):
     """LIRS whose share of resident HIR blocks adapts as CLOCK-Pro's does.
 
@@ -493,6 +501,9 @@ def _request_duel_tiers() -> None:
     class FastRequestDuelTier(RequestDuelTier):
         policy_class = FastRequestDuelPolicy
 
+    class ThreeWayRequestDuelTier(RequestDuelTier):
+        policy_class = ThreeWayRequestDuelPolicy
+
     make_tier = hit_rate_table.tier_factory
 
     def tier_factory(name: str, upcoming: list[list[int]]):  # type: ignore[no-untyped-def]
@@ -502,6 +513,8 @@ def _request_duel_tiers() -> None:
             return RequestDuelFromLRUTier
         if name == "request-duel-fast":
             return FastRequestDuelTier
+        if name == "request-duel3":
+            return ThreeWayRequestDuelTier
         return make_tier(name, upcoming)
 
     hit_rate_table.tier_factory = tier_factory
