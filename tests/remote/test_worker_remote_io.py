@@ -153,7 +153,10 @@ def test_a_store_that_is_down_costs_misses_within_the_timeout() -> None:
     io.fetch(RemoteBlocks(2, ["k"], [1]))
     results = _until(io, lambda r: 1 in r.written and 2 in r.fetched)
     assert results.fetched[2] == [False]
-    lookup = RemoteLookup(open_store(url, role="scheduler"), ["tp0-pp0"], timeout_s=0.5)
+    # A back-off longer than the test: its second call is never a second try.
+    lookup = RemoteLookup(
+        open_store(url, role="scheduler"), ["tp0-pp0"], timeout_s=0.5, backoff_s=3600
+    )
     assert lookup.count_hits(["k"]) == 0
     assert lookup.failures == 1
     # Left alone for its back-off: no second wait.
