@@ -278,6 +278,21 @@ def test_sleep_sequence_empties_the_tier_and_keeps_every_slot_right(
     _assert_drained(engine)
 
 
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    # The test servers ship with the plugin's testing package; where it is absent
+    # (the in-tree form of these tests), the shared-tier scenarios skip.
+    servers = pytest.importorskip("vllm_cpu_offload.testing.store_servers")
+    try:
+        server = servers.RedisServer().start()
+    except servers.ServerUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
 @pytest.fixture(params=[None, 2 * BLOCK_SIZE], ids=["k1", "k2"])
 def engines(
     vllm_utils: ModuleType,
