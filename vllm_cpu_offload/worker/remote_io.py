@@ -87,8 +87,10 @@ class RemoteIO:
         self._base = host.tensor.data_ptr()
         self._block_bytes = host.block_bytes * blocks_per_host_block
         self._num_blocks = host.num_host_blocks // blocks_per_host_block
-        batch = max(WRITE_BATCH, FETCH_BATCH)
-        self._headers = ctypes.create_string_buffer(batch * value_format.HEADER_BYTES)
+        # Headers of one write batch (fetches land in their staging buffer).
+        self._headers = ctypes.create_string_buffer(
+            WRITE_BATCH * value_format.HEADER_BYTES
+        )
         self._headers_at = ctypes.addressof(self._headers)
         store.register(Span(self._base, host.tensor.numel()))
         store.register(Span(self._headers_at, len(self._headers)))
