@@ -24,12 +24,17 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.engine_runs import (
+    print_result,
+    read_documents,
+    run_engine_process,
+    spread,
+)
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -92,8 +97,7 @@ def startup_components(path: Path, gib: float, block_bytes: int) -> dict[str, fl
 
 def engine_run(args: argparse.Namespace) -> None:
     """One engine process: reads every document once; prints init time and TTFTs."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     from benchmarks.long_document_qa import BENCH_SHAPE
     from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama, random_token_ids
@@ -114,42 +118,18 @@ def engine_run(args: argparse.Namespace) -> None:
     init_s = time.perf_counter() - start
     rng = random.Random(7)
     docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
-    )
-    reads = []
-    for doc in docs:
-        start = time.perf_counter()
-        out = llm.generate(
-            [TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False
-        )[0]
-        reads.append(
-            {
-                "seconds": time.perf_counter() - start,
-                "cached": out.num_cached_tokens or 0,
-                "tokens": list(out.outputs[0].token_ids),
-            }
-        )
-    print("RESULT " + json.dumps({"init_s": init_s, "reads": reads}))
+    reads = read_documents(llm, docs, args.max_tokens)
+    print_result({"init_s": init_s, "reads": reads})
     llm.llm_engine.engine_core.shutdown()
 
 
 def run_engine(tier: Path, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [
-        sys.executable, "-m", "benchmarks.restart_tier", "--engine-run",
+    argv = [
         "--tier", str(tier),
         "--docs", str(args.docs), "--doc-tokens", str(args.doc_tokens),
         "--max-tokens", str(args.max_tokens),
     ]  # fmt: skip
-    repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return dict(json.loads(line.removeprefix("RESULT ")))
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return run_engine_process("benchmarks.restart_tier", argv)
 
 
 def main() -> None:

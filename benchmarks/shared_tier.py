@@ -1,14 +1,27 @@
-"""`--swap-space-remote`: a fresh engine's first read of documents that another engine
-computed, against a cold read.
+"""`--swap-space-remote` against vLLM's own `MooncakeStoreConnector`, on the same
+Mooncake Store (a master and a storage node on loopback, TCP).
 
-Per pair, on one Mooncake Store (a master and a storage node on loopback): engine A
-reads the documents and exits (its blocks written through to the store); then, in an
-order that alternates between pairs, engine B (empty device cache and host tier, the
-same store) and a cold engine (same flags, an empty store of its own) read them. Fresh
-engine processes, the same documents and flags in every arm; median of the pairs with
-their range; greedy outputs of all arms compared.
+Arms, each configured at its best (`kv_load_failure_policy = recompute`):
+- `ours`: `--enable-cpu-offload --swap-space 1 --swap-space-remote mooncake://...`;
+- `vllm`: vLLM's `MooncakeStoreConnector` (`kv_both`, the store named in the JSON file
+  of `MOONCAKE_CONFIG_PATH`, standalone-store mode);
+- `multi`: vLLM's `MultiConnector` of our host tier and vLLM's `MooncakeStoreConnector`,
+  the arrangement a user can assemble without `--swap-space-remote`;
+- `cold`: `ours` on an empty store of its own.
 
-    python benchmarks/shared_tier.py [--pairs 3] [--docs 4] [--doc-tokens 4000]
+Scenarios:
+- `first-read`: engine A reads the documents and exits; engine B (empty device cache
+  and host tier, the same store) reads them. B's time to first token per document.
+- `node-killed`: as `first-read`, but the store's storage node is killed (SIGKILL)
+  between A and B: B's reads must be exact and no request may be held long.
+
+Per repetition every arm gets a fresh store and fresh engine processes; the order of
+the arms rotates between repetitions. Every engine process binds the model to the same
+core (`VLLM_CPU_OMP_THREADS_BIND`), so the arms differ only in the connector. Medians
+of the repetitions with their range; greedy outputs of every arm compared with cold.
+
+    python benchmarks/shared_tier.py [--scenario first-read] [--reps 3] [--docs 4]
+        [--doc-tokens 4000] [--arms ours vllm multi cold]
 """
 
 from __future__ import annotations
@@ -18,26 +31,74 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
-import time
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from benchmarks.engine_runs import (
+    ms,
+    print_result,
+    read_documents,
+    run_engine_process,
+    spread,
+)
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 BLOCK_SIZE = 32
+ARMS = ("ours", "vllm", "multi", "cold")
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "figures"
+# One OpenMP thread on the same core in every arm: vLLM's CPU executor would otherwise
+# reserve a core for other connectors and not for ours.
+OMP_BIND = "1"
+
+
+def connector_kwargs(arm: str, store_url: str) -> dict[str, Any]:
+    """The engine arguments that select `arm`'s connector."""
+    from vllm.config import KVTransferConfig
+
+    if arm in ("ours", "cold"):
+        return {
+            "enable_cpu_offload": True,
+            "swap_space": 1,
+            "swap_space_remote": store_url,
+        }
+    vllm_store = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+    if arm == "vllm":
+        config: dict[str, Any] = vllm_store
+    else:
+        host_tier = {
+            "kv_connector": "CPUOffloadConnector",
+            "kv_connector_module_path": "vllm_cpu_offload.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"swap_space_gib": 1},
+        }
+        config = {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [host_tier, vllm_store]},
+        }
+    return {
+        "kv_transfer_config": KVTransferConfig(
+            **config, kv_load_failure_policy="recompute"
+        )
+    }
+
+
+def documents(args: argparse.Namespace) -> list[list[int]]:
+    from vllm_cpu_offload.testing.tiny_model import random_token_ids
+
+    rng = random.Random(11)
+    return [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
 
 
 def engine_run(args: argparse.Namespace) -> None:
-    """One engine process: reads every document once; prints its TTFTs."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    """One engine process of one arm: reads every document once."""
+    from vllm import LLM
 
     from benchmarks.long_document_qa import BENCH_SHAPE
-    from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama, random_token_ids
+    from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
 
     llm = LLM(
         str(ensure_tiny_llama(BENCH_SHAPE)),
@@ -47,56 +108,74 @@ def engine_run(args: argparse.Namespace) -> None:
         max_model_len=args.doc_tokens + 2 * BLOCK_SIZE,
         dtype="bfloat16",
         seed=0,
-        enable_cpu_offload=True,
-        swap_space=1,
-        swap_space_remote=args.store,
+        **connector_kwargs(args.arm, args.store),
     )
-    rng = random.Random(11)
-    docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
-    )
-    reads = []
-    for doc in docs:
-        start = time.perf_counter()
-        out = llm.generate(
-            [TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False
-        )[0]
-        reads.append(
-            {
-                "seconds": time.perf_counter() - start,
-                "cached": out.num_cached_tokens or 0,
-                "tokens": list(out.outputs[0].token_ids),
-            }
-        )
-    print("RESULT " + json.dumps({"reads": reads}))
-    # Shutting down lets the queued writes land (bounded) before the process ends.
+    print_result({"reads": read_documents(llm, documents(args), args.max_tokens)})
+    # Shutting down lets queued writes land (bounded) before the process ends.
     llm.llm_engine.engine_core.shutdown()
 
 
-def run_engine(store: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [
-        sys.executable, "-m", "benchmarks.shared_tier", "--engine-run",
-        "--store", store,
-        "--docs", str(args.docs), "--doc-tokens", str(args.doc_tokens),
-        "--max-tokens", str(args.max_tokens),
-    ]  # fmt: skip
-    repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return dict(json.loads(line.removeprefix("RESULT ")))
+def mooncake_config(servers: Any, folder: Path) -> Path:
+    """The JSON file vLLM's MooncakeStoreConnector reads (MOONCAKE_CONFIG_PATH)."""
+    path = folder / f"mooncake-{servers.rpc_port}.json"
+    path.write_text(
+        json.dumps(
+            {
+                "metadata_server": servers.metadata_url,
+                "master_server_address": f"127.0.0.1:{servers.rpc_port}",
+                "protocol": "tcp",
+                "device_name": "",
+                "mode": "standalone-store",
+                "global_segment_size": 0,
+                "local_buffer_size": "256MB",
+            }
+        )
+    )
+    return path
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def run_arm(arm: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """A fresh store; engine A (skipped for cold) fills it; engine B's reads."""
+    from vllm_cpu_offload.testing.store_servers import MooncakeServers
+
+    with MooncakeServers() as servers:
+        argv = [
+            "--arm", arm, "--store", servers.url,
+            "--docs", str(args.docs), "--doc-tokens", str(args.doc_tokens),
+            "--max-tokens", str(args.max_tokens),
+        ]  # fmt: skip
+        env = {
+            "MOONCAKE_CONFIG_PATH": str(mooncake_config(servers, folder)),
+            "VLLM_CPU_OMP_THREADS_BIND": OMP_BIND,
+        }
+        if arm != "cold":
+            run_engine_process("benchmarks.shared_tier", argv, env)
+            if args.scenario == "node-killed":
+                servers.kill_storage_node()
+        return run_engine_process("benchmarks.shared_tier", argv, env)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    reads = [run["reads"] for run in runs]
+    return {
+        "ttft_s": spread([statistics.median(r["seconds"] for r in rs) for rs in reads]),
+        "slowest_read_s": spread([max(r["seconds"] for r in rs) for rs in reads]),
+        "cached_tokens": spread(
+            [statistics.median(r["cached"] for r in rs) for rs in reads]
+        ),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine-run", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument(
+        "--scenario", choices=("first-read", "node-killed"), default="first-read"
+    )
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--doc-tokens", type=int, default=4000)
     parser.add_argument("--max-tokens", type=int, default=1)
@@ -104,44 +183,44 @@ def main() -> None:
     if args.engine_run:
         engine_run(args)
         return
-    from vllm_cpu_offload.testing.store_servers import MooncakeServers
 
-    arms: dict[str, list[dict[str, Any]]] = {"shared": [], "cold": []}
-    for pair in range(args.pairs):
-        with MooncakeServers() as shared, MooncakeServers() as empty:
-            run_engine(shared.url, args)  # engine A: computes, writes through, exits
-            order = ("shared", "cold") if pair % 2 == 0 else ("cold", "shared")
-            for arm in order:
-                arms[arm].append(
-                    run_engine(shared.url if arm == "shared" else empty.url, args)
-                )
-    outputs = [
-        [r["tokens"] for r in run["reads"]] for runs in arms.values() for run in runs
-    ]
-    exact = all(out == outputs[0] for out in outputs)
-    summary: dict[str, Any] = {"args": vars(args), "outputs_equal": exact}
-    for arm, runs in arms.items():
-        ttft = [statistics.median(r["seconds"] for r in run["reads"]) for run in runs]
-        cached = [statistics.median(r["cached"] for r in run["reads"]) for run in runs]
-        summary[arm] = {"ttft_s": spread(ttft), "cached_tokens": spread(cached)}
-        print(
-            f"{arm:7s} first read TTFT {statistics.median(ttft) * 1e3:.0f} ms "
-            f"({min(ttft) * 1e3:.0f}-{max(ttft) * 1e3:.0f}), cached tokens "
-            f"{statistics.median(cached):.0f}"
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
+    with tempfile.TemporaryDirectory(prefix="shared-tier-bench-") as folder:
+        for rep in range(args.reps):
+            shift = rep % len(args.arms)
+            for arm in args.arms[shift:] + args.arms[:shift]:
+                runs[arm].append(run_arm(arm, args, Path(folder)))
+    reference = next(iter(runs.get("cold") or runs[args.arms[0]]))
+    expected = [r["tokens"] for r in reference["reads"]]
+    summary: dict[str, Any] = {"args": vars(args), "arms": {}}
+    for arm, arm_runs in runs.items():
+        row = summarize(arm_runs)
+        row["outputs_equal_cold"] = all(
+            [r["tokens"] for r in run["reads"]] == expected for run in arm_runs
         )
-    ratios = [
-        statistics.median(c["seconds"] for c in cold["reads"])
-        / statistics.median(s["seconds"] for s in shared["reads"])
-        for cold, shared in zip(arms["cold"], arms["shared"], strict=True)
-    ]
-    summary["ttft_speedup"] = spread(ratios)
-    print(
-        f"first read of another engine's documents {statistics.median(ratios):.2f}x "
-        f"faster than cold ({min(ratios):.2f}-{max(ratios):.2f}); greedy outputs "
-        f"equal: {exact}"
-    )
+        summary["arms"][arm] = row
+        print(
+            f"{arm:6s} {args.scenario}: TTFT {ms(row['ttft_s'])}, slowest read "
+            f"{ms(row['slowest_read_s'])}, cached tokens "
+            f"{row['cached_tokens']['median']:.0f}, outputs equal cold: "
+            f"{row['outputs_equal_cold']}"
+        )
+    for arm in (a for a in args.arms if a != "ours"):
+        if "ours" not in runs:
+            break
+        ratios = [
+            statistics.median(r["seconds"] for r in theirs["reads"])
+            / statistics.median(r["seconds"] for r in mine["reads"])
+            for mine, theirs in zip(runs["ours"], runs[arm], strict=True)
+        ]
+        summary[f"ours_vs_{arm}"] = spread(ratios)
+        print(
+            f"ours {statistics.median(ratios):.2f}x faster than {arm} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}), per repetition"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "shared_tier_cpu.json").write_text(json.dumps(summary, indent=2) + "\n")
+    name = f"shared_tier_{args.scenario.replace('-', '_')}_cpu.json"
+    (RESULTS / name).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ class OffloadStepMetadata(KVConnectorMetadata):
     # the store jobs whose blocks each worker writes through once its store is done.
     async_loads: list[AsyncLoad] = field(default_factory=list)
     writes: list[RemoteBlocks] = field(default_factory=list)
+    # No request computes this step: a worker may wait (bounded) for its fetches.
+    idle: bool = False
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import time
 
+import pytest
 import torch
 
 from vllm_cpu_offload.block_transfer import RemoteBlocks
@@ -17,6 +18,7 @@ from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.testing.store_servers import (
     free_port,
 )
+from vllm_cpu_offload.worker import remote_io
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults
@@ -163,3 +165,76 @@ def test_a_store_that_is_down_costs_misses_within_the_timeout() -> None:
     assert lookup.count_hits(["k"]) == 0 and lookup.failures == 1
     io.close()
     lookup.close()
+
+
+def test_fetches_go_in_calls_of_a_bounded_size(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = _host(7)
+    writer = _io(redis_url, host)
+    keys = [f"{NAMESPACE}/b/{i}" for i in range(7)]
+    writer.write(RemoteBlocks(1, keys, list(range(7))))
+    _until(writer, lambda r: 1 in r.written)
+    monkeypatch.setattr(remote_io, "FETCH_BATCH_BYTES", 3 * host.block_bytes)
+    reader = _io(redis_url, _host(8))
+    reader.fetch(RemoteBlocks(2, keys, list(range(7))))
+    results = _until(reader, lambda r: 2 in r.fetched)
+    assert results.fetched[2] == [True] * 7
+    assert results.stats["fetch_calls"] == 3  # 3 + 3 + 1 blocks
+    for io in (writer, reader):
+        io.close()
+
+
+def test_an_idle_step_reports_a_fetch_that_ends_while_it_waits(redis_url: str) -> None:
+    """A step in which nothing computes waits for the fetch (bounded) instead of
+    spinning on empty steps: the step that starts the async load reports it."""
+    pytest.importorskip("vllm")
+    from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer
+    from vllm_cpu_offload.metadata import OffloadStepMetadata
+    from vllm_cpu_offload.worker.tier_worker import HostTierWorker, RemoteSettings
+
+    def caches(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        shape = (HOST_BLOCKS, 2, 4, 16)
+        return {f"l{i}": torch.randn(*shape, generator=g) for i in (0, 1)}
+
+    written = caches(9)
+    writer_host = HostBuffer.for_kv_caches(written, HOST_BLOCKS, pin=False)
+    writer_host.tensor[3].copy_(torch.arange(writer_host.tensor[3].numel()) % 251)
+    writer = _io(redis_url, writer_host)
+    writer.write(RemoteBlocks(1, [f"{NAMESPACE}/w/0"], [3]))
+    _until(writer, lambda r: 1 in r.written)
+
+    settings = RemoteSettings(
+        open_store=lambda: _connected(redis_url),
+        namespace=NAMESPACE,
+        rank="tp0-pp0",
+        timeout_s=5.0,
+    )
+    # A wait far longer than the fetch: the assertion does not depend on timing.
+    worker = HostTierWorker(
+        HOST_BLOCKS, HOST_BLOCKS, remote=settings, idle_fetch_wait_s=60.0
+    )
+    device = caches(10)
+    worker.register_kv_caches(device)
+    load = AsyncLoad(
+        load=BlockTransfer(7, [2], [5], req_id="r"),
+        fetch=RemoteBlocks(7, [f"{NAMESPACE}/w/0"], [5]),
+        fetched_from=0,
+    )
+    meta = OffloadStepMetadata(async_loads=[load], idle=True)
+    worker.begin_step(meta)
+    worker.finish_step()
+    _, recving = worker.get_finished()
+    assert recving == {"r"}
+    # Device block 2 holds the fetched block: stored back, it is the writer's bytes.
+    store_back = OffloadStepMetadata(stores=[BlockTransfer(8, [2], [6], req_id="s")])
+    worker.begin_step(store_back)
+    for name in device:
+        worker.save_layer(name)
+    worker.finish_step()
+    worker.get_finished()
+    assert worker.engine is not None
+    assert torch.equal(worker.engine.host.tensor[6], writer_host.tensor[3])
+    worker.shutdown()
+    writer.close()

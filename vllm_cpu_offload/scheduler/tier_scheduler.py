@@ -407,6 +407,7 @@ class HostTierScheduler:
             delayed_free_req_ids=list(self._awaiting_stores),
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
             async_loads=self._step_async_loads,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._step_loads, self._awaiting_stores = [], {}
         self._step_async_loads = []

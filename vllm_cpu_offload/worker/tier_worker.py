@@ -29,6 +29,11 @@ from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
 logger = logging.getLogger(__name__)
 
+# How long a step in which no request computes waits for a fetch to end. Such a step
+# would otherwise return at once, and the engine would spin on empty steps, taking the
+# cores the store's transfer needs; a request that arrives meanwhile waits at most this.
+IDLE_FETCH_WAIT_S = 0.01
+
 
 @dataclass(frozen=True)
 class RemoteSettings:
@@ -58,6 +63,7 @@ class HostTierWorker:
         copier_candidates: Sequence[Candidate] | None = None,
         remote: RemoteSettings | None = None,
         blocks_per_host_block: int = 1,
+        idle_fetch_wait_s: float = IDLE_FETCH_WAIT_S,
     ) -> None:
         # Host slots: `blocks_per_host_block` of them make one host block.
         self.num_host_blocks = num_host_blocks
@@ -96,6 +102,8 @@ class HostTierWorker:
         self._load_seconds = 0.0
         self._store_seconds = 0.0
         self._faults = FaultInjector.from_env()
+        self._idle_step = False
+        self.idle_fetch_wait_s = idle_fetch_wait_s
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         host = HostBuffer.for_kv_caches(
@@ -140,6 +148,7 @@ class HostTierWorker:
         if self.engine is not None:
             self.engine.begin_step()
         self._awaiting_free.update(metadata.delayed_free_req_ids)
+        self._idle_step = metadata.idle
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
@@ -216,6 +225,8 @@ class HostTierWorker:
             return None, None
         self._collect(self.engine.poll_finished())
         if self.remote_io is not None:
+            if self._idle_step and self._async_loads:
+                self.remote_io.wait_for_fetch(self.idle_fetch_wait_s)
             results = self.remote_io.poll()
             for job_id, arrived in results.fetched.items():
                 self._fetched(job_id, arrived)
