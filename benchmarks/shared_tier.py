@@ -7,13 +7,18 @@ Arms, each configured at its best (`kv_load_failure_policy = recompute`):
   of `MOONCAKE_CONFIG_PATH`, standalone-store mode);
 - `multi`: vLLM's `MultiConnector` of our host tier and vLLM's `MooncakeStoreConnector`,
   the arrangement a user can assemble without `--swap-space-remote`;
-- `cold`: `ours` on an empty store of its own.
+- `cold`: `ours` on an empty store of its own;
+- `host`: the host tier alone (`--enable-cpu-offload --swap-space 1`);
+- `off`: vLLM without the flags.
 
 Scenarios:
 - `first-read`: engine A reads the documents and exits; engine B (empty device cache
   and host tier, the same store) reads them. B's time to first token per document.
 - `node-killed`: as `first-read`, but the store's storage node is killed (SIGKILL)
   between A and B: B's reads must be exact and no request may be held long.
+- `no-reuse`: one engine per arm reads documents that no engine read before (every
+  block is stored and written through, none is ever hit): the time of the whole set
+  against `off`, as a throughput ratio.
 
 Per repetition every arm gets a fresh store and fresh engine processes; the order of
 the arms rotates between repetitions. Every engine process binds the model to the same
@@ -22,6 +27,8 @@ of the repetitions with their range; greedy outputs of every arm compared with c
 
     python benchmarks/shared_tier.py [--scenario first-read] [--reps 3] [--docs 4]
         [--doc-tokens 4000] [--arms ours vllm multi cold]
+    python benchmarks/shared_tier.py --scenario no-reuse --arms off host ours \
+        --docs 16 --doc-tokens 2000 --max-tokens 16
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 BLOCK_SIZE = 32
-ARMS = ("ours", "vllm", "multi", "cold")
+ARMS = ("ours", "vllm", "multi", "cold", "host", "off")
+SCENARIOS = ("first-read", "node-killed", "no-reuse")
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "figures"
 # One OpenMP thread on the same core in every arm: vLLM's CPU executor would otherwise
 # reserve a core for other connectors and not for ours.
@@ -58,6 +66,10 @@ def connector_kwargs(arm: str, store_url: str) -> dict[str, Any]:
     """The engine arguments that select `arm`'s connector."""
     from vllm.config import KVTransferConfig
 
+    if arm == "off":
+        return {}
+    if arm == "host":
+        return {"enable_cpu_offload": True, "swap_space": 1}
     if arm in ("ours", "cold"):
         return {
             "enable_cpu_offload": True,
@@ -148,7 +160,7 @@ def run_arm(arm: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             "MOONCAKE_CONFIG_PATH": str(mooncake_config(servers, folder)),
             "VLLM_CPU_OMP_THREADS_BIND": OMP_BIND,
         }
-        if arm != "cold":
+        if arm != "cold" and args.scenario != "no-reuse":
             run_engine_process("benchmarks.shared_tier", argv, env)
             if args.scenario == "node-killed":
                 servers.kill_storage_node()
@@ -160,10 +172,28 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "ttft_s": spread([statistics.median(r["seconds"] for r in rs) for rs in reads]),
         "slowest_read_s": spread([max(r["seconds"] for r in rs) for rs in reads]),
+        "all_reads_s": spread([sum(r["seconds"] for r in rs) for rs in reads]),
         "cached_tokens": spread(
             [statistics.median(r["cached"] for r in rs) for rs in reads]
         ),
     }
+
+
+def no_reuse_ratios(runs: dict[str, list[dict[str, Any]]], summary: dict) -> None:
+    """Throughput of each arm against `off`, per repetition (same documents)."""
+    if "off" not in runs:
+        return
+    for arm in (a for a in runs if a != "off"):
+        ratios = [
+            sum(r["seconds"] for r in off["reads"])
+            / sum(r["seconds"] for r in mine["reads"])
+            for off, mine in zip(runs["off"], runs[arm], strict=True)
+        ]
+        summary[f"{arm}_no_reuse_throughput_vs_off"] = spread(ratios)
+        print(
+            f"no reuse: {arm} throughput {statistics.median(ratios):.3f}x of off "
+            f"({min(ratios):.3f}-{max(ratios):.3f}), per repetition"
+        )
 
 
 def main() -> None:
@@ -171,10 +201,13 @@ def main() -> None:
     parser.add_argument("--engine-run", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
+    parser.add_argument("--scenario", choices=SCENARIOS, default="first-read")
     parser.add_argument(
-        "--scenario", choices=("first-read", "node-killed"), default="first-read"
+        "--arms",
+        nargs="+",
+        choices=ARMS,
+        help="default: ours vllm multi cold; off host ours for no-reuse",
     )
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--doc-tokens", type=int, default=4000)
@@ -183,6 +216,9 @@ def main() -> None:
     if args.engine_run:
         engine_run(args)
         return
+    if args.arms is None:
+        no_reuse = args.scenario == "no-reuse"
+        args.arms = ["off", "host", "ours"] if no_reuse else list(ARMS[:4])
 
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
     with tempfile.TemporaryDirectory(prefix="shared-tier-bench-") as folder:
@@ -205,7 +241,9 @@ def main() -> None:
             f"{row['cached_tokens']['median']:.0f}, outputs equal cold: "
             f"{row['outputs_equal_cold']}"
         )
-    for arm in (a for a in args.arms if a != "ours"):
+    if args.scenario == "no-reuse":
+        no_reuse_ratios(runs, summary)
+    for arm in (a for a in args.arms if a not in ("ours", "off", "host")):
         if "ours" not in runs:
             break
         ratios = [

@@ -10,9 +10,13 @@ same documents exactly, recomputing them.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlencode
 
 import pytest
 
@@ -181,3 +185,70 @@ def test_a_storage_node_that_dies_costs_no_wrong_token_and_no_hang(
         assert after[OFFLOAD + "failed_transfers_total"] == before.get(
             OFFLOAD + "failed_transfers_total", 0
         )
+
+
+def test_a_fetch_that_waits_holds_back_no_other_request(
+    tiny_model: str, redis_url: str, tmp_path: Path
+) -> None:
+    """B's read of A's document waits on a fetch held at a gate (a store call that
+    takes as long as the test wants); meanwhile another request decodes to its end.
+    Only then does the gate open, and the held read answers as A did, from the
+    store."""
+    rng = random.Random(43)
+    doc, other = (random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(2))
+    with running_server(tiny_model, server_flags(redis_url)) as first_server:
+        first = complete(first_server, doc)
+        stepped_until(first_server, all_written)
+
+    gate = tmp_path / "gate"
+    gated = "py://vllm_cpu_offload.testing.gated_store:GatedStore?" + urlencode(
+        {"store": redis_url, "gate": str(gate)}
+    )
+    # A store timeout far beyond the test: the held fetch ends only at the gate.
+    long_timeout = {
+        "kv_connector": "CPUOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"remote_timeout_s": 600},
+    }
+    flags = [*server_flags(gated), "--kv-transfer-config", json.dumps(long_timeout)]
+    with (
+        running_server(tiny_model, flags) as second,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        before = settled_metrics(second.url, until=idle)
+        held = pool.submit(complete, second, doc)
+        # The held read has looked up its blocks in the store and waits for them.
+        deadline = time.monotonic() + 120
+        while metrics(second.url).get(OFFLOAD + "remote_hit_tokens_total", 0) <= (
+            before.get(OFFLOAD + "remote_hit_tokens_total", 0)
+        ):
+            assert time.monotonic() < deadline and not held.done()
+            time.sleep(0.1)
+        decoded = complete(second, other, max_tokens=32)
+        assert decoded["usage"]["completion_tokens"] == 32
+        assert not held.done()
+        gate.touch()
+        reply = held.result(timeout=120)
+    assert text(reply) == text(first)
+    assert cached_tokens(reply) >= HITS
+
+
+def test_tensor_parallel_engines_share_every_ranks_shard(
+    tiny_model: str, redis_url: str
+) -> None:
+    """TP=2: each rank writes its shard under its own key; B's hit needs both."""
+    flags = [*server_flags(redis_url), "--tensor-parallel-size", "2"]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    rng = random.Random(47)
+    docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(2)]
+    with running_server(tiny_model, flags, env=env) as first_server:
+        first = [complete(first_server, d) for d in docs]
+        written = stepped_until(first_server, all_written)
+    with running_server(tiny_model, flags, env=env) as second:
+        again = [complete(second, d) for d in docs]
+        after = settled_metrics(second.url, until=idle)
+    assert [text(r) for r in again] == [text(r) for r in first]
+    assert all(cached_tokens(r) >= HITS for r in again), [r["usage"] for r in again]
+    # Both ranks wrote a shard of every block (a hit needs both).
+    assert written[OFFLOAD + "remote_written_blocks_total"] >= 2 * 2 * (BLOCKS - 1)
+    assert after[OFFLOAD + "remote_fetched_blocks_total"] >= 2 * (BLOCKS - 1)

@@ -124,3 +124,17 @@ def test_missing_client_library_names_the_extra(
     )
     with pytest.raises(OffloadConfigError, match=r"vllm-cpu-offload\[redis\]"):
         check_remote_url("redis://h:6379")
+
+
+def test_missing_checksum_library_is_named_for_every_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name: None if name == "google_crc32c" else real(name),
+    )
+    for url in ("redis://h:6379", f"py://{HERE}:DictStore"):
+        with pytest.raises(OffloadConfigError, match="pip install google-crc32c"):
+            check_remote_url(url)

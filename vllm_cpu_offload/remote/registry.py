@@ -36,6 +36,7 @@ from .url import (
     parse_remote_url,
     remote_password,
 )
+from .value_format import CHECKSUM_MODULE
 
 ROLES = ("scheduler", "worker")
 
@@ -61,6 +62,11 @@ def check_remote_url(url: str) -> tuple[type[RemoteStore], RemoteUrl]:
     """The backend class and parsed URL that `url` stands for, checked as far as can
     be without connecting: the form, the class, its client library, the password."""
     parsed = parse_remote_url(url)
+    if importlib.util.find_spec(CHECKSUM_MODULE) is None:
+        raise OffloadConfigError(
+            f"--swap-space-remote checks every value with CRC-32C and needs the "
+            f"{CHECKSUM_MODULE!r} module; pip install google-crc32c"
+        )
     if parsed.scheme in _BUILTINS:
         path, library, extra = _BUILTINS[parsed.scheme]
         if importlib.util.find_spec(library.partition(".")[0]) is None:

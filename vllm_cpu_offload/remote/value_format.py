@@ -9,11 +9,13 @@ checked against what the reader expects:
     8       16    digest of the key the value was written under
     24      16    digest of the namespace (the tier fingerprint the bytes depend on)
     40      8     payload length in bytes
-    48      4     CRC-32 of the payload
+    48      4     CRC-32C of the payload
     52      12    zero
 
-A value that fails any check is a miss (counted), never a load. Imports the standard
-library only.
+A value that fails any check is a miss (counted), never a load. CRC-32C (Castagnoli),
+through `google-crc32c` (an extra of each store backend, checked before the engine
+starts), runs on the CPU's CRC instructions: 32 MiB in about 3 ms here, against 8 ms
+for zlib's CRC-32, on a fetch that a request waits for.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import struct
-import zlib
 
-MAGIC = b"VCOKV\x00\x01\x00"
+import numpy as np
+
+CHECKSUM_MODULE = "google_crc32c"
+
+MAGIC = b"VCOKV\x00\x02\x00"
 HEADER_BYTES = 64
 _LAYOUT = struct.Struct("<8s16s16sQI12x")
 assert _LAYOUT.size == HEADER_BYTES
@@ -34,9 +39,13 @@ def digest(text: str) -> bytes:
 
 
 def checksum(address: int, size: int) -> int:
-    """CRC-32 of `size` bytes of host memory at `address`, read in place."""
-    view = (ctypes.c_char * size).from_address(address)
-    return zlib.crc32(memoryview(view).cast("B"))
+    """CRC-32C of `size` bytes of host memory at `address`, read in place."""
+    # On use: only engines with a shared store need it (registry checks it is there).
+    import google_crc32c
+
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))
+    view.flags.writeable = False  # google_crc32c takes read-only buffers only
+    return int(google_crc32c.value(view))
 
 
 def pack_header(key: str, namespace: str, address: int, size: int) -> bytes:
