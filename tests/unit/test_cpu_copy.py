@@ -321,3 +321,30 @@ def test_a_core_that_cannot_be_taken_leaves_the_helper_on_the_callers_mask(
     done: list[int] = []
     threads.run([1, 2, 3, 4], done.append)
     assert sorted(done) == [1, 2, 3, 4]
+
+
+def test_threads_started_beside_the_model_run_off_its_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    allowed = set(copy_threads.os.sched_getaffinity(copy_threads.os.getppid()))
+    if len(allowed) < 2:
+        pytest.skip("needs a parent process allowed on two cores")
+    model = max(allowed)
+    _clear_openmp_binding(monkeypatch)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(model))
+    assert copy_threads.cores_beside_the_model() == allowed - {model}
+    own = set(copy_threads.os.sched_getaffinity(0))
+    seen: list[set[int]] = []
+
+    def record() -> None:
+        seen.append(set(copy_threads.os.sched_getaffinity(0)))
+
+    with copy_threads.threads_started_beside_the_model():
+        thread = threading.Thread(target=record)
+        thread.start()
+    thread.join()
+    assert seen == [allowed - {model}]
+    assert set(copy_threads.os.sched_getaffinity(0)) == own
+    # No binding known: nothing changes.
+    _clear_openmp_binding(monkeypatch)
+    assert copy_threads.cores_beside_the_model() == set()

@@ -21,6 +21,9 @@ from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadStats
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.remote.store import RemoteStore
+from vllm_cpu_offload.worker.copiers.copy_threads import (
+    threads_started_beside_the_model,
+)
 from vllm_cpu_offload.worker.copiers.select import Candidate
 from vllm_cpu_offload.worker.fault_injection import FaultInjector
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
@@ -121,16 +124,20 @@ class HostTierWorker:
         )
         if self.remote is not None:
             k = self.blocks_per_host_block
-            self.remote_io = RemoteIO(
-                self.remote.open_store(),
-                host,
-                blocks_per_host_block=k,
-                rank=self.remote.rank,
-                namespace=self.remote.namespace,
-                timeout_s=self.remote.timeout_s,
-                # Queued writes pin their host blocks: at most a quarter of the tier.
-                max_queued_writes=max(1, host.num_host_blocks // k // 4),
-            )
+            # The store's threads (and its client's) write through while the model
+            # computes: off the model's cores where the machine has others.
+            with threads_started_beside_the_model():
+                self.remote_io = RemoteIO(
+                    self.remote.open_store(),
+                    host,
+                    blocks_per_host_block=k,
+                    rank=self.remote.rank,
+                    namespace=self.remote.namespace,
+                    timeout_s=self.remote.timeout_s,
+                    # Queued writes pin their host blocks: at most a quarter of
+                    # the tier.
+                    max_queued_writes=max(1, host.num_host_blocks // k // 4),
+                )
 
     def _engine(self) -> TransferEngine:
         assert self.engine is not None, "register_kv_caches was not called"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
@@ -67,6 +67,46 @@ def helper_cores(threads: int) -> list[int]:
     # several cores: `copy_cores` is exactly these, so no helper core
     own = _affinity(0)
     return [core for core in copy_cores() if core not in own][: threads - 1]
+
+
+def cores_beside_the_model() -> set[int]:
+    """Cores this process may use that the model's OpenMP threads are not bound to;
+    empty when there are none or the binding is unknown.
+
+    A vLLM worker's initial thread is pinned to the first OpenMP core, and every thread
+    it starts inherits that core. A thread that works while the forward pass runs (the
+    shared store's traffic) would take that core from the model. The cores the worker's
+    parent (the engine core, or the API server) may use stand for the machine's.
+    """
+    model = _openmp_binding()
+    if not model or not hasattr(os, "sched_getaffinity"):
+        return set()
+    try:
+        allowed = set(os.sched_getaffinity(os.getppid()))
+    except OSError:
+        return set()
+    return allowed - model
+
+
+@contextlib.contextmanager
+def threads_started_beside_the_model() -> Iterator[None]:
+    """Threads the calling thread starts inside run on `cores_beside_the_model()`
+    (they inherit its mask); its own mask is restored after."""
+    cores = cores_beside_the_model()
+    own = _affinity(0)
+    if not cores:
+        yield
+        return
+    try:
+        os.sched_setaffinity(0, cores)  # this thread only
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, own)
 
 
 def _affinity(tid: int) -> set[int]:
