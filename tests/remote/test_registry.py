@@ -112,16 +112,20 @@ def test_bad_role() -> None:
         open_store(f"py://{HERE}:DictStore", role="both")
 
 
-def test_missing_client_library_names_the_extra(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A built-in scheme whose client library is absent: the pip line to fix it.
+def _without_module(monkeypatch: pytest.MonkeyPatch, missing: str) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
-        lambda name: None if name == "redis" else real(name),
+        lambda name: None if name == missing else real(name),
     )
+
+
+def test_missing_client_library_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A built-in scheme whose client library is absent: the pip line to fix it.
+    _without_module(monkeypatch, "redis")
     with pytest.raises(OffloadConfigError, match=r"vllm-cpu-offload\[redis\]"):
         check_remote_url("redis://h:6379")
 
@@ -129,12 +133,7 @@ def test_missing_client_library_names_the_extra(
 def test_missing_checksum_library_is_named_for_every_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name: None if name == "google_crc32c" else real(name),
-    )
+    _without_module(monkeypatch, "google_crc32c")
     for url in ("redis://h:6379", f"py://{HERE}:DictStore"):
         with pytest.raises(OffloadConfigError, match="pip install google-crc32c"):
             check_remote_url(url)
