@@ -39,6 +39,7 @@ import os
 import random
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,33 +168,36 @@ def run_arm(arm: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         return run_engine_process("benchmarks.shared_tier", argv, env)
 
 
+def median_read_s(reads: list[dict[str, Any]]) -> float:
+    return statistics.median(r["seconds"] for r in reads)
+
+
+def all_reads_s(reads: list[dict[str, Any]]) -> float:
+    return sum(r["seconds"] for r in reads)
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     reads = [run["reads"] for run in runs]
     return {
-        "ttft_s": spread([statistics.median(r["seconds"] for r in rs) for rs in reads]),
+        "ttft_s": spread([median_read_s(rs) for rs in reads]),
         "slowest_read_s": spread([max(r["seconds"] for r in rs) for rs in reads]),
-        "all_reads_s": spread([sum(r["seconds"] for r in rs) for rs in reads]),
+        "all_reads_s": spread([all_reads_s(rs) for rs in reads]),
         "cached_tokens": spread(
             [statistics.median(r["cached"] for r in rs) for rs in reads]
         ),
     }
 
 
-def no_reuse_ratios(runs: dict[str, list[dict[str, Any]]], summary: dict) -> None:
-    """Throughput of each arm against `off`, per repetition (same documents)."""
-    if "off" not in runs:
-        return
-    for arm in (a for a in runs if a != "off"):
-        ratios = [
-            sum(r["seconds"] for r in off["reads"])
-            / sum(r["seconds"] for r in mine["reads"])
-            for off, mine in zip(runs["off"], runs[arm], strict=True)
-        ]
-        summary[f"{arm}_no_reuse_throughput_vs_off"] = spread(ratios)
-        print(
-            f"no reuse: {arm} throughput {statistics.median(ratios):.3f}x of off "
-            f"({min(ratios):.3f}-{max(ratios):.3f}), per repetition"
-        )
+def ratio_per_repetition(
+    over: list[dict[str, Any]],
+    under: list[dict[str, Any]],
+    stat: Callable[[list[dict[str, Any]]], float],
+) -> list[float]:
+    """`stat(over's reads) / stat(under's reads)`, repetition by repetition (the same
+    documents, run next to each other)."""
+    return [
+        stat(a["reads"]) / stat(b["reads"]) for a, b in zip(over, under, strict=True)
+    ]
 
 
 def main() -> None:
@@ -226,7 +230,7 @@ def main() -> None:
             shift = rep % len(args.arms)
             for arm in args.arms[shift:] + args.arms[:shift]:
                 runs[arm].append(run_arm(arm, args, Path(folder)))
-    reference = next(iter(runs.get("cold") or runs[args.arms[0]]))
+    reference = (runs.get("cold") or runs[args.arms[0]])[0]
     expected = [r["tokens"] for r in reference["reads"]]
     summary: dict[str, Any] = {"args": vars(args), "arms": {}}
     for arm, arm_runs in runs.items():
@@ -241,16 +245,17 @@ def main() -> None:
             f"{row['cached_tokens']['median']:.0f}, outputs equal cold: "
             f"{row['outputs_equal_cold']}"
         )
-    if args.scenario == "no-reuse":
-        no_reuse_ratios(runs, summary)
-    for arm in (a for a in args.arms if a not in ("ours", "off", "host")):
-        if "ours" not in runs:
-            break
-        ratios = [
-            statistics.median(r["seconds"] for r in theirs["reads"])
-            / statistics.median(r["seconds"] for r in mine["reads"])
-            for mine, theirs in zip(runs["ours"], runs[arm], strict=True)
-        ]
+    if args.scenario == "no-reuse" and "off" in runs:
+        for arm in (a for a in args.arms if a != "off"):
+            ratios = ratio_per_repetition(runs["off"], runs[arm], all_reads_s)
+            summary[f"{arm}_no_reuse_throughput_vs_off"] = spread(ratios)
+            print(
+                f"no reuse: {arm} throughput {statistics.median(ratios):.3f}x of off "
+                f"({min(ratios):.3f}-{max(ratios):.3f}), per repetition"
+            )
+    peers = [a for a in args.arms if a not in ("ours", "off", "host")]
+    for arm in peers if "ours" in runs else []:
+        ratios = ratio_per_repetition(runs[arm], runs["ours"], median_read_s)
         summary[f"ours_vs_{arm}"] = spread(ratios)
         print(
             f"ours {statistics.median(ratios):.2f}x faster than {arm} "

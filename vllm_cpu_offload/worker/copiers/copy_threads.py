@@ -92,21 +92,18 @@ def cores_beside_the_model() -> set[int]:
 def threads_started_beside_the_model() -> Iterator[None]:
     """Threads the calling thread starts inside run on `cores_beside_the_model()`
     (they inherit its mask); its own mask is restored after."""
-    cores = cores_beside_the_model()
-    own = _affinity(0)
-    if not cores:
-        yield
-        return
+    own, cores = _affinity(0), cores_beside_the_model()
     try:
-        os.sched_setaffinity(0, cores)  # this thread only
-    except OSError:
-        yield
-        return
+        if cores:
+            os.sched_setaffinity(0, cores)  # this thread only
+    except OSError:  # a core taken away since: threads keep the caller's mask
+        cores = set()
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, own)
+        if cores:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, own)
 
 
 def _affinity(tid: int) -> set[int]:
