@@ -140,16 +140,33 @@ def test_stored_blocks_are_visible_only_after_the_report() -> None:
 
 
 def test_lookup_starts_after_the_device_hit_and_leaves_one_token() -> None:
-    # The hit is contiguous from the device hit on, and never the whole prompt.
+    # The hit is contiguous from the device hit on, and never the whole prompt: a
+    # prompt that ends on a block boundary hits its last block but one token.
     engine = Engine()
     meta = _prefill(engine, _request("a", list(range(8))))
     engine.report(meta.stores[0].job_id)
     twin = _request("b", list(range(8)))
-    # 8 tokens: last block kept
-    assert engine.tier.get_num_new_matched_tokens(twin, 0) == BS
-    assert engine.tier.get_num_new_matched_tokens(twin, BS) == 0
+    assert engine.tier.get_num_new_matched_tokens(twin, 0) == 2 * BS - 1
+    assert engine.tier.get_num_new_matched_tokens(twin, BS) == BS - 1
     longer = _request("c", list(range(8)) + [99])
     assert engine.tier.get_num_new_matched_tokens(longer, BS) == BS
+
+
+def test_a_hit_one_token_short_of_the_prompt_loads_its_last_block() -> None:
+    # vLLM computes the prompt's last token again (writing the same KV over the
+    # loaded one); the block holding it is loaded whole and never stored again.
+    engine = Engine()
+    meta = _prefill(engine, _request("a", list(range(8))))
+    engine.report(meta.stores[0].job_id)
+    twin = _request("b", list(range(8)))
+    assert engine.admit(twin) == 2 * BS - 1
+    meta = engine.step({"b": 1})
+    (load,) = meta.loads
+    assert load.device_block_ids == engine.kv.get_block_ids("b")[0][:2]
+    assert not meta.stores
+    engine.report(load.job_id)
+    assert engine.tier.stats.hit_tokens == 2 * BS - 1
+    assert engine.tier.stats.loaded_blocks == 2
 
 
 def test_load_plan_pins_host_blocks_until_the_load_is_reported() -> None:
@@ -376,10 +393,15 @@ def test_host_blocks_of_two_device_blocks() -> None:
     (load,) = engine.tier.build_connector_meta(SchedulerOutput.make_empty()).loads
     assert load.device_block_ids == engine.kv.get_block_ids("c")[0][:6]
     assert load.host_block_ids == slots
-    # 24 tokens: the third host block would cover the last token, which must be
-    # computed, and a hit ends where a host block ends.
+    # 24 tokens end on a host block's end: the hit is all of them but the last.
     assert (
         engine.tier.get_num_new_matched_tokens(_request("d", list(range(24))), 0)
+        == 6 * BS - 1
+    )
+    # 23 tokens: the third host block is not full, and a hit ends where a host block
+    # ends.
+    assert (
+        engine.tier.get_num_new_matched_tokens(_request("e", list(range(23))), 0)
         == 4 * BS
     )
 

@@ -157,6 +157,16 @@ class Engine:
         )
         return self.scheduler.update_from_output(out, output)
 
+    def step_until_one_computes(self) -> None:
+        """Steps until a step schedules tokens (none do while a request waits for the
+        store's fetch)."""
+        deadline = time.monotonic() + 120
+        self.step()
+        while not self.last_scheduled_tokens:
+            assert time.monotonic() < deadline, "nothing was scheduled"
+            time.sleep(0.001)
+            self.step()
+
     def run(self, *requests: Any, max_steps: int = 400) -> None:
         for request in requests:
             self.scheduler.add_request(request)
@@ -217,6 +227,26 @@ def test_evicted_prefix_comes_back_from_the_host_tier(engine: Engine) -> None:
     engine.run(again)
     assert engine.tier.stats.loaded_blocks - loaded == 5
     assert engine.checked_slots - checked >= 5 * BLOCK_SIZE
+    _assert_drained(engine)
+
+
+def test_a_prompt_ending_on_a_block_boundary_computes_only_its_last_token(
+    engine: Engine,
+) -> None:
+    # The host hit covers the prompt's last block but one token: vLLM schedules one
+    # token, and every slot it reads, those of the last block included, is right.
+    engine.run(engine.request(1, 6 * BLOCK_SIZE))
+    for seed in (2, 3, 4, 5, 6):
+        engine.run(engine.request(seed, 6 * BLOCK_SIZE))
+    hits, checked = engine.tier.stats.hit_tokens, engine.checked_slots
+    again = engine.request(1, 6 * BLOCK_SIZE)
+    engine.scheduler.add_request(again)
+    engine.step()
+    assert engine.last_scheduled_tokens == 1
+    engine.run()
+    assert engine.tier.stats.hit_tokens - hits == 6 * BLOCK_SIZE - 1
+    assert engine.checked_slots - checked >= 6 * BLOCK_SIZE - 1
+    assert engine.invalid_blocks == 0 and len(again.output_token_ids) == 8
     _assert_drained(engine)
 
 
@@ -337,6 +367,28 @@ def test_a_prefix_another_engine_computed_comes_from_the_shared_store(
     assert b.invalid_blocks == 0 and len(request.output_token_ids) == 8
     # The fetched blocks are B's host blocks now.
     assert b.tier.stats.remote_fetched_blocks == 6 // b.tier.blocks_per_host_block
+    for engine in engines:
+        _written_through(engine)
+        _assert_drained(engine)
+
+
+def test_a_prompt_ending_on_a_block_boundary_is_fetched_whole(
+    engines: tuple[Engine, Engine],
+) -> None:
+    # From the store too, the hit covers the last block but one token: the fetch
+    # brings every block, and the first step that computes schedules one token.
+    a, b = engines
+    a.run(a.request(1, 6 * BLOCK_SIZE))
+    _written_through(a)
+    checked = b.checked_slots
+    request = b.request(1, 6 * BLOCK_SIZE)
+    b.scheduler.add_request(request)
+    b.step_until_one_computes()
+    assert b.last_scheduled_tokens == 1
+    b.run()
+    assert b.tier.stats.remote_hit_tokens == 6 * BLOCK_SIZE - 1
+    assert b.checked_slots - checked >= 6 * BLOCK_SIZE - 1
+    assert b.invalid_blocks == 0 and len(request.output_token_ids) == 8
     for engine in engines:
         _written_through(engine)
         _assert_drained(engine)

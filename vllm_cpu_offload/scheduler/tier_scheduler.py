@@ -179,11 +179,16 @@ class HostTierScheduler:
         state = self._state(request)
         k = self.blocks_per_host_block
         first = num_computed_tokens // self.block_size
-        # At least one token must be computed to sample from. A host block is looked up
-        # by its last device block's hash, so only host blocks that end by `last` count.
-        last = min(
-            len(request.block_hashes), (request.num_tokens - 1) // self.block_size
+        # A host block is looked up by its last device block's hash, so only host
+        # blocks that end by `last` count. At least one token must be computed to
+        # sample from: with full attention alone a hit may cover the prompt's last
+        # block but one token, whose KV the forward writes again; with other groups
+        # (a state-space group's state cannot take a token twice) it ends a block
+        # earlier.
+        end_token = (
+            request.num_tokens if self._single_full_group else (request.num_tokens - 1)
         )
+        last = min(len(request.block_hashes), end_token // self.block_size)
         first_hb, last_hb = first // k, last // k
         hits = 0
         state.remote_hit = None
@@ -212,7 +217,9 @@ class HostTierScheduler:
                     hits = (start + remote_hbs) * k - first
         state.lookup = (first, hits)
         self.stats.lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
-        return hits * self.block_size
+        if not hits:
+            return 0
+        return min(hits * self.block_size, request.num_tokens - 1 - num_computed_tokens)
 
     def load_is_async(self, request: Request) -> bool:
         """Whether the last lookup's hit waits for blocks from the shared store."""
@@ -293,8 +300,9 @@ class HostTierScheduler:
         if state.remote_hit is not None:
             self._plan_async_load(state, device_block_ids[0], num_external_tokens)
             return
-        count = num_external_tokens // self.block_size
-        assert count * self.block_size == num_external_tokens and count <= hits
+        # A hit of the prompt's last block is one token short of it.
+        count = -(-num_external_tokens // self.block_size)
+        assert count <= hits
         end = first + count
         assert end % k == 0, "a host hit ends at a host block's end"
         null = self._null_block_id
@@ -339,7 +347,7 @@ class HostTierScheduler:
         hashes = request.block_hashes
         k = self.blocks_per_host_block
         first = state.lookup[0]
-        end = first + num_external_tokens // self.block_size
+        end = first + -(-num_external_tokens // self.block_size)
         remote_start, _ = state.remote_hit
         remote_end = max(remote_start, -(-end // k))
         # The host part: blocks [first, remote_start * k), pinned as for a sync load.
@@ -390,9 +398,8 @@ class HostTierScheduler:
         )
         state.planned_upto = max(state.planned_upto, end)
         self.stats.hit_tokens += fetched_from * self.block_size
-        self.stats.remote_hit_tokens += (len(device_ids) - fetched_from) * (
-            self.block_size
-        )
+        loaded_tokens = min(len(device_ids) * self.block_size, num_external_tokens)
+        self.stats.remote_hit_tokens += loaded_tokens - fetched_from * self.block_size
         self.stats.loaded_blocks += len(device_ids)
 
     # ---- the step's metadata ----
