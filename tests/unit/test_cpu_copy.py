@@ -339,12 +339,72 @@ def test_threads_started_beside_the_model_run_off_its_cores(
     def record() -> None:
         seen.append(set(copy_threads.os.sched_getaffinity(0)))
 
-    with copy_threads.threads_started_beside_the_model():
+    with copy_threads.threads_started_beside_the_model() as placed:
         thread = threading.Thread(target=record)
         thread.start()
     thread.join()
     assert seen == [allowed - {model}]
     assert set(copy_threads.os.sched_getaffinity(0)) == own
+    assert placed is not None and placed.everywhere == allowed
     # No binding known: nothing changes.
     _clear_openmp_binding(monkeypatch)
     assert copy_threads.cores_beside_the_model() == set()
+
+
+def test_threads_beside_the_model_spread_while_it_idles_and_gather_before_it_computes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A thread started inside, and one that thread starts later, use every core while
+    # spread out and only the cores beside the model once gathered; a thread that
+    # existed before, and the caller, are never moved.
+    os_ = copy_threads.os
+    allowed = set(os_.sched_getaffinity(os_.getppid()))
+    if len(allowed) < 2 or set(os_.sched_getaffinity(0)) != allowed:
+        pytest.skip("needs this process and its parent allowed on two cores or more")
+    model = max(allowed)
+    _clear_openmp_binding(monkeypatch)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(model))
+    stop = threading.Event()
+    tids: dict[str, int] = {}
+
+    def park(name: str) -> None:
+        tids[name] = threading.get_native_id()
+        stop.wait()
+
+    def start_child_later(go: threading.Event) -> None:
+        tids["parent"] = threading.get_native_id()
+        go.wait()
+        threading.Thread(target=park, args=("child",)).start()
+        stop.wait()
+
+    older = threading.Thread(target=park, args=("older",))
+    older.start()
+    go = threading.Event()
+    with copy_threads.threads_started_beside_the_model() as placed:
+        parent = threading.Thread(target=start_child_later, args=(go,))
+        parent.start()
+    assert placed is not None
+    beside = allowed - {model}
+    try:
+        while "parent" not in tids or "older" not in tids:
+            stop.wait(0.001)
+
+        def masks() -> dict[str, set[int]]:
+            return {name: set(os_.sched_getaffinity(t)) for name, t in tids.items()}
+
+        placed.spread()
+        assert masks() == {"older": allowed, "parent": allowed}
+        go.set()  # started while spread out
+        while "child" not in tids:
+            stop.wait(0.001)
+        placed.gather()
+        assert masks() == {"older": allowed, "parent": beside, "child": beside}
+        placed.spread()
+        assert masks() == {"older": allowed, "parent": allowed, "child": allowed}
+        placed.gather()
+        assert masks() == {"older": allowed, "parent": beside, "child": beside}
+        assert set(os_.sched_getaffinity(0)) == allowed
+    finally:
+        stop.set()
+        parent.join()
+        older.join()

@@ -22,6 +22,7 @@ from vllm_cpu_offload.metrics import OffloadStats
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.remote.store import RemoteStore
 from vllm_cpu_offload.worker.copiers.copy_threads import (
+    ThreadsBesideTheModel,
     threads_started_beside_the_model,
 )
 from vllm_cpu_offload.worker.copiers.select import Candidate
@@ -89,6 +90,7 @@ class HostTierWorker:
         self._stores_in_flight: Counter[str] = Counter()
         self.remote = remote
         self.remote_io: RemoteIO | None = None
+        self._store_threads: ThreadsBesideTheModel | None = None
         # async load -> its plan, until its blocks are loaded
         self._async_loads: dict[int, AsyncLoad] = {}
         # async load job -> device blocks it will not fill (recomputed by vLLM)
@@ -126,7 +128,7 @@ class HostTierWorker:
             k = self.blocks_per_host_block
             # The store's threads (and its client's) write through while the model
             # computes: off the model's cores where the machine has others.
-            with threads_started_beside_the_model():
+            with threads_started_beside_the_model() as self._store_threads:
                 self.remote_io = RemoteIO(
                     self.remote.open_store(),
                     host,
@@ -164,6 +166,12 @@ class HostTierWorker:
             self._writes[write.job_id] = write
         for async_load in metadata.async_loads:
             self._start_async_load(async_load)
+        if self._store_threads is not None:
+            # A step that only waits for fetches leaves the model's cores to them.
+            if metadata.idle and self._async_loads:
+                self._store_threads.spread()
+            else:
+                self._store_threads.gather()
 
     def _start_async_load(self, async_load: AsyncLoad) -> None:
         """Fetches the hit's missing blocks on the store thread; `get_finished` loads

@@ -88,22 +88,90 @@ def cores_beside_the_model() -> set[int]:
     return allowed - model
 
 
+class ThreadsBesideTheModel:
+    """The threads started inside `threads_started_beside_the_model`, and those they
+    start: beside the model's cores while it computes, on every core of the process
+    while it idles.
+
+    A step in which no request computes only waits for the store, and the store's
+    transfer is CPU work on both ends: on 2 cores, 124 blocks of 256 KiB came in 40 ms
+    with the client's threads on the one core beside the model and in 28 ms with them on
+    both (inside the engine). `spread` lets them use the model's cores for such steps;
+    `gather` brings them back before a forward. Threads are found again by their mask
+    (a thread started by one of them inherits it), never among those that existed
+    before, so vLLM's threads are never moved.
+    """
+
+    def __init__(self, beside: set[int], everywhere: set[int], before: set[int]):
+        self.beside = beside
+        self.everywhere = everywhere
+        self._before = before
+        self._moved: set[int] = set()
+        self.spread_out = False
+
+    def spread(self) -> None:
+        if self.spread_out or self.everywhere == self.beside:
+            return
+        self._moved = self._threads_with(self.beside)
+        self._move(self._moved, self.everywhere)
+        self.spread_out = True
+
+    def gather(self) -> None:
+        if not self.spread_out:
+            return
+        # Threads started while spread out carry the wider mask.
+        self._move(self._moved | self._threads_with(self.everywhere), self.beside)
+        self._moved = set()
+        self.spread_out = False
+
+    def _threads_with(self, mask: set[int]) -> set[int]:
+        found: set[int] = set()
+        for tid in _thread_ids() - self._before:
+            try:
+                if _affinity(tid) == mask:
+                    found.add(tid)
+            except OSError:  # the thread ended meanwhile
+                continue
+        return found
+
+    @staticmethod
+    def _move(tids: set[int], cores: set[int]) -> None:
+        for tid in tids:
+            with contextlib.suppress(OSError):  # ended meanwhile
+                os.sched_setaffinity(tid, cores)
+
+
 @contextlib.contextmanager
-def threads_started_beside_the_model() -> Iterator[None]:
+def threads_started_beside_the_model() -> Iterator[ThreadsBesideTheModel | None]:
     """Threads the calling thread starts inside run on `cores_beside_the_model()`
-    (they inherit its mask); its own mask is restored after."""
+    (they inherit its mask); its own mask is restored after. Yields their handle, or
+    None where the model has no cores beside it."""
     own, cores = _affinity(0), cores_beside_the_model()
+    before = _thread_ids()
     try:
         if cores:
             os.sched_setaffinity(0, cores)  # this thread only
     except OSError:  # a core taken away since: threads keep the caller's mask
         cores = set()
     try:
-        yield
+        yield (
+            ThreadsBesideTheModel(
+                cores, cores | (_openmp_binding() & _process_cores()), before
+            )
+            if cores
+            else None
+        )
     finally:
         if cores:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, own)
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
 
 
 def _affinity(tid: int) -> set[int]:
