@@ -9,6 +9,8 @@ Arms, each configured at its best (`kv_load_failure_policy = recompute`):
   the arrangement a user can assemble without `--swap-space-remote`;
 - `cold`: `ours` on an empty store of its own;
 - `host`: the host tier alone (`--enable-cpu-offload --swap-space 1`);
+- `host-hit`: `host`, reading each document a second time after vLLM's prefix cache
+  was reset (the host tier keeps its blocks): the time of a host hit;
 - `off`: vLLM without the flags.
 
 Scenarios:
@@ -29,6 +31,8 @@ of the repetitions with their range; greedy outputs of every arm compared with c
         [--doc-tokens 4000] [--arms ours vllm multi cold]
     python benchmarks/shared_tier.py --scenario no-reuse --arms off host ours \
         --docs 16 --doc-tokens 2000 --max-tokens 16
+    python benchmarks/shared_tier.py --arms ours host-hit cold --docs 2 \
+        --doc-tokens 16000
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 BLOCK_SIZE = 32
-ARMS = ("ours", "vllm", "multi", "cold", "host", "off")
+ARMS = ("ours", "vllm", "multi", "cold", "host", "off", "host-hit")
+# Arms whose engine B reads without an engine A before it.
+WITHOUT_A = ("cold", "host-hit")
 SCENARIOS = ("first-read", "node-killed", "no-reuse")
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "figures"
 # One OpenMP thread on the same core in every arm: vLLM's CPU executor would otherwise
@@ -69,7 +75,7 @@ def connector_kwargs(arm: str, store_url: str) -> dict[str, Any]:
 
     if arm == "off":
         return {}
-    if arm == "host":
+    if arm in ("host", "host-hit"):
         return {"enable_cpu_offload": True, "swap_space": 1}
     if arm in ("ours", "cold"):
         return {
@@ -123,7 +129,12 @@ def engine_run(args: argparse.Namespace) -> None:
         seed=0,
         **connector_kwargs(args.arm, args.store),
     )
-    print_result({"reads": read_documents(llm, documents(args), args.max_tokens)})
+    docs = documents(args)
+    if args.arm == "host-hit":
+        read_documents(llm, docs, args.max_tokens)
+        # vLLM's prefix cache only: the host tier keeps the blocks just stored.
+        assert llm.reset_prefix_cache(), "a device block is still held"
+    print_result({"reads": read_documents(llm, docs, args.max_tokens)})
     # Shutting down lets queued writes land (bounded) before the process ends.
     llm.llm_engine.engine_core.shutdown()
 
@@ -161,7 +172,7 @@ def run_arm(arm: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             "MOONCAKE_CONFIG_PATH": str(mooncake_config(servers, folder)),
             "VLLM_CPU_OMP_THREADS_BIND": OMP_BIND,
         }
-        if arm != "cold" and args.scenario != "no-reuse":
+        if arm not in WITHOUT_A and args.scenario != "no-reuse":
             run_engine_process("benchmarks.shared_tier", argv, env)
             if args.scenario == "node-killed":
                 servers.kill_storage_node()
@@ -262,7 +273,8 @@ def main() -> None:
             f"({min(ratios):.2f}-{max(ratios):.2f}), per repetition"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = f"shared_tier_{args.scenario.replace('-', '_')}_cpu.json"
+    length = "" if args.doc_tokens == 4000 else f"_{args.doc_tokens}_tokens"
+    name = f"shared_tier_{args.scenario.replace('-', '_')}{length}_cpu.json"
     (RESULTS / name).write_text(json.dumps(summary, indent=2) + "\n")
 
 
