@@ -9,6 +9,7 @@ prints one `RESULT {json}` line; its driver starts those processes through
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -20,6 +21,44 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+BLOCK_SIZE = 32
+
+
+def add_document_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a document benchmark's driver and engine processes."""
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--doc-tokens", type=int, default=4000)
+    parser.add_argument("--max-tokens", type=int, default=1)
+
+
+def document_argv(args: argparse.Namespace, arm: str, store: str) -> list[str]:
+    """An engine process's flags: its arm and store, and the driver's documents."""
+    return [
+        "--arm", arm, "--store", store,
+        "--docs", str(args.docs), "--doc-tokens", str(args.doc_tokens),
+        "--max-tokens", str(args.max_tokens),
+    ]  # fmt: skip
+
+
+def document_engine(doc_tokens: int, **engine_args: Any) -> Any:
+    """The engine these benchmarks read documents with: the benchmark model in bf16,
+    blocks of 32 tokens, a device cache of two documents of `doc_tokens`."""
+    from vllm import LLM
+
+    from benchmarks.long_document_qa import BENCH_SHAPE
+    from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
+
+    return LLM(
+        str(ensure_tiny_llama(BENCH_SHAPE)),
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=2 * (doc_tokens // BLOCK_SIZE + 2),
+        max_model_len=doc_tokens + 2 * BLOCK_SIZE,
+        dtype="bfloat16",
+        seed=0,
+        **engine_args,
+    )
 
 
 def read_documents(

@@ -28,33 +28,28 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.engine_runs import REPO, ms, print_result, read_documents, spread
+from benchmarks.engine_runs import (
+    REPO,
+    add_document_arguments,
+    document_argv,
+    document_engine,
+    ms,
+    print_result,
+    read_documents,
+    spread,
+)
 
 ARMS = ("shared", "alone")
 RESULTS = REPO / "docs" / "figures"
-BLOCK_SIZE = 32
 
 
 def engine_serve(args: argparse.Namespace) -> None:
     """One engine of the fleet: reads the document named on each stdin line."""
-    from vllm import LLM
-
-    from benchmarks.long_document_qa import BENCH_SHAPE
     from benchmarks.shared_tier import documents
-    from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
 
     remote = {"swap_space_remote": args.store} if args.arm == "shared" else {}
-    llm = LLM(
-        str(ensure_tiny_llama(BENCH_SHAPE)),
-        enforce_eager=True,
-        block_size=BLOCK_SIZE,
-        num_gpu_blocks_override=2 * (args.doc_tokens // BLOCK_SIZE + 2),
-        max_model_len=args.doc_tokens + 2 * BLOCK_SIZE,
-        dtype="bfloat16",
-        seed=0,
-        enable_cpu_offload=True,
-        swap_space=1,
-        **remote,
+    llm = document_engine(
+        args.doc_tokens, enable_cpu_offload=True, swap_space=1, **remote
     )
     docs = documents(args)
     print_result({"ready": True})
@@ -115,11 +110,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     from vllm_cpu_offload.testing.store_servers import MooncakeServers
 
     with MooncakeServers() as servers:
-        argv = [
-            "--arm", arm, "--store", servers.url,
-            "--docs", str(args.docs), "--doc-tokens", str(args.doc_tokens),
-            "--max-tokens", str(args.max_tokens),
-        ]  # fmt: skip
+        argv = document_argv(args, arm, servers.url)
         engines = [EngineProcess(argv, core) for core in (0, 1)]
         try:
             for engine in engines:
@@ -143,10 +134,7 @@ def main() -> None:
     parser.add_argument("--engine-serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--docs", type=int, default=4)
-    parser.add_argument("--doc-tokens", type=int, default=4000)
-    parser.add_argument("--max-tokens", type=int, default=1)
+    add_document_arguments(parser)
     args = parser.parse_args()
     if args.engine_serve:
         engine_serve(args)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engine_runs import (
+    document_engine,
     print_result,
     read_documents,
     run_engine_process,
@@ -38,7 +39,6 @@ from benchmarks.engine_runs import (
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-BLOCK_SIZE = 32
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 
@@ -97,20 +97,11 @@ def startup_components(path: Path, gib: float, block_bytes: int) -> dict[str, fl
 
 def engine_run(args: argparse.Namespace) -> None:
     """One engine process: reads every document once; prints init time and TTFTs."""
-    from vllm import LLM
-
-    from benchmarks.long_document_qa import BENCH_SHAPE
-    from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama, random_token_ids
+    from vllm_cpu_offload.testing.tiny_model import random_token_ids
 
     start = time.perf_counter()
-    llm = LLM(
-        str(ensure_tiny_llama(BENCH_SHAPE)),
-        enforce_eager=True,
-        block_size=BLOCK_SIZE,
-        num_gpu_blocks_override=2 * (args.doc_tokens // BLOCK_SIZE + 2),
-        max_model_len=args.doc_tokens + 2 * BLOCK_SIZE,
-        dtype="bfloat16",
-        seed=0,
+    llm = document_engine(
+        args.doc_tokens,
         enable_cpu_offload=True,
         swap_space=1,
         swap_space_path=args.tier,

@@ -48,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engine_runs import (
+    add_document_arguments,
+    document_argv,
+    document_engine,
     ms,
     print_result,
     read_documents,
@@ -58,7 +61,6 @@ from benchmarks.engine_runs import (
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
-BLOCK_SIZE = 32
 ARMS = ("ours", "vllm", "multi", "cold", "host", "off", "host-hit")
 # Arms whose engine B reads without an engine A before it.
 WITHOUT_A = ("cold", "host-hit")
@@ -114,21 +116,7 @@ def documents(args: argparse.Namespace) -> list[list[int]]:
 
 def engine_run(args: argparse.Namespace) -> None:
     """One engine process of one arm: reads every document once."""
-    from vllm import LLM
-
-    from benchmarks.long_document_qa import BENCH_SHAPE
-    from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
-
-    llm = LLM(
-        str(ensure_tiny_llama(BENCH_SHAPE)),
-        enforce_eager=True,
-        block_size=BLOCK_SIZE,
-        num_gpu_blocks_override=2 * (args.doc_tokens // BLOCK_SIZE + 2),
-        max_model_len=args.doc_tokens + 2 * BLOCK_SIZE,
-        dtype="bfloat16",
-        seed=0,
-        **connector_kwargs(args.arm, args.store),
-    )
+    llm = document_engine(args.doc_tokens, **connector_kwargs(args.arm, args.store))
     docs = documents(args)
     if args.arm == "host-hit":
         read_documents(llm, docs, args.max_tokens)
@@ -163,11 +151,7 @@ def run_arm(arm: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     from vllm_cpu_offload.testing.store_servers import MooncakeServers
 
     with MooncakeServers() as servers:
-        argv = [
-            "--arm", arm, "--store", servers.url,
-            "--docs", str(args.docs), "--doc-tokens", str(args.doc_tokens),
-            "--max-tokens", str(args.max_tokens),
-        ]  # fmt: skip
+        argv = document_argv(args, arm, servers.url)
         env = {
             "MOONCAKE_CONFIG_PATH": str(mooncake_config(servers, folder)),
             "VLLM_CPU_OMP_THREADS_BIND": OMP_BIND,
@@ -223,10 +207,7 @@ def main() -> None:
         choices=ARMS,
         help="default: ours vllm multi cold; off host ours for no-reuse",
     )
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--docs", type=int, default=4)
-    parser.add_argument("--doc-tokens", type=int, default=4000)
-    parser.add_argument("--max-tokens", type=int, default=1)
+    add_document_arguments(parser)
     args = parser.parse_args()
     if args.engine_run:
         engine_run(args)
@@ -269,7 +250,7 @@ def main() -> None:
         ratios = ratio_per_repetition(runs[arm], runs["ours"], median_read_s)
         summary[f"ours_vs_{arm}"] = spread(ratios)
         print(
-            f"ours {statistics.median(ratios):.2f}x faster than {arm} "
+            f"ours {statistics.median(ratios):.2f}x as fast as {arm} "
             f"({min(ratios):.2f}-{max(ratios):.2f}), per repetition"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
