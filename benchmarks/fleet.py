@@ -25,7 +25,6 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.engine_runs import (
@@ -171,8 +170,7 @@ def main() -> None:
         f"({min(ratios):.2f}-{max(ratios):.2f}), per repetition"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = Path(RESULTS / "fleet_cpu.json")
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    (RESULTS / "fleet_cpu.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -300,9 +300,12 @@ class HostTierScheduler:
         if state.remote_hit is not None:
             self._plan_async_load(state, device_block_ids[0], num_external_tokens)
             return
-        # A hit of the prompt's last block is one token short of it.
+        # Whole blocks, or the prompt's last block but its last token.
         count = -(-num_external_tokens // self.block_size)
-        assert count <= hits
+        assert count <= hits and (
+            count * self.block_size == num_external_tokens
+            or (first * self.block_size + num_external_tokens == request.num_tokens - 1)
+        )
         end = first + count
         assert end % k == 0, "a host hit ends at a host block's end"
         null = self._null_block_id
