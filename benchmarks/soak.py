@@ -53,6 +53,7 @@ import httpx
 import openai
 import psutil
 
+from vllm_cpu_offload.testing.openai_clients import client_per_request_connection
 from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama, random_words
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -434,15 +435,8 @@ async def soak(
     ]
     counts = Counts()
     ticket = [0]
-    client = openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300.0
-    )
-    impatient = openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1",
-        api_key="x",
-        max_retries=0,
-        timeout=mix.abandon_after_s,
-    )
+    client = client_per_request_connection(server.url, 300.0)
+    impatient = client_per_request_connection(server.url, mix.abandon_after_s)
     rows: list[dict] = []
     start = time.monotonic()
     async with httpx.AsyncClient() as http:

@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import openai
 import pytest
 import requests
 
 from tests.conftest import BLOCK_SIZE
 from tests.e2e.servers import RunningServer, metric_samples, metrics, running_server
+from vllm_cpu_offload.testing.openai_clients import client_per_request_connection
 from vllm_cpu_offload.testing.tiny_model import random_words
 
 pytestmark = pytest.mark.e2e
@@ -110,9 +110,7 @@ class WorkloadResult:
 
 async def _run_workload(url: str, model: str, work: Workload) -> WorkloadResult:
     result = WorkloadResult()
-    client = openai.AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S
-    )
+    client = client_per_request_connection(url, REQUEST_TIMEOUT_S)
     greedy: dict[str, Any] = dict(
         model=model, temperature=0.0, extra_body={"ignore_eos": True}
     )
