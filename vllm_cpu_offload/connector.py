@@ -24,7 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_cpu_offload.config import OffloadConfig
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
-from vllm_cpu_offload.events import to_kv_events
+from vllm_cpu_offload.events import remote_kv_events, to_kv_events
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import (
     OffloadPromMetrics,
@@ -385,13 +385,15 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def take_events(self) -> Iterable[KVCacheEvent]:
-        events = self._sched().take_pool_events()
+        sched = self._sched()
+        events = sched.take_pool_events()  # counts evictions, events on or off
         if not self._publish_events:
             return ()
-        sched = self._sched()
-        return list(
-            to_kv_events(events, sched.block_size * sched.blocks_per_host_block)
-        )
+        block_size = sched.block_size * sched.blocks_per_host_block
+        return [
+            *to_kv_events(events, block_size),
+            *remote_kv_events(sched.take_remote_events(), block_size),
+        ]
 
     @override
     def reset_cache(self) -> bool | None:

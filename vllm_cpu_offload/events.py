@@ -1,9 +1,16 @@
-"""KV cache events for the host tier: `BlockStored` / `BlockRemoved` with medium CPU.
+"""KV cache events for the tiers behind the device: `BlockStored` / `BlockRemoved`.
+
+The host tier's events have medium CPU. The shared store's (`--swap-space-remote`) have
+medium STORAGE and locality REMOTE, as vLLM's own secondary offloading tiers say it: a
+block is stored there once every worker wrote its shard, and removed when a fetch found
+it missing or refused. The store evicts on its own and tells no one, so a consumer
+should read its stored blocks as likely there, not certainly.
 
 A store's event carries what vLLM's device-tier event for the same blocks carries
 (parent hash, token ids, block size, LoRA adapter, extra keys, KV cache group), from the
 `StoredBlocks` the scheduler half recorded when it planned the store. Events without
-that record (a pool driven directly, as in unit tests) name the blocks only.
+that record (a pool driven directly, as in unit tests, or a write-through that stored
+only some of a job's blocks) name the blocks only.
 """
 
 from __future__ import annotations
@@ -14,14 +21,19 @@ from typing import Any, cast
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
+    MEDIUM_STORAGE,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
 )
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-from vllm_cpu_offload.scheduler.block_pool import PoolEvent
+from vllm_cpu_offload.scheduler.block_pool import BlockKey, PoolEvent
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks
+from vllm_cpu_offload.scheduler.tier_scheduler import RemoteTierEvent
+
+# Where the shared store is, relative to the engine that publishes its events.
+LOCALITY_REMOTE = "REMOTE"
 
 
 def _external(block_hash: Any) -> Any:
@@ -31,7 +43,7 @@ def _external(block_hash: Any) -> Any:
 def to_kv_events(
     events: Iterable[PoolEvent], block_size: int
 ) -> Iterator[KVCacheEvent]:
-    """The vLLM KV events for the pool's events, in order; keys are (KV group id,
+    """The vLLM KV events for the host pool's events, in order; keys are (KV group id,
     block hash).
 
     One event per KV cache group (and, for stores, per run of consecutive blocks).
@@ -39,29 +51,63 @@ def to_kv_events(
     for event in events:
         if event.kind == "stored" and event.detail is not None:
             for run in cast(Sequence[StoredBlocks], event.detail):
-                yield _stored(run, block_size)
-            continue
-        keys = cast(tuple[tuple[int, bytes], ...], event.keys)
-        for group, group_keys in groupby(keys, key=lambda key: key[0]):
-            hashes = [_external(block_hash) for _, block_hash in group_keys]
-            if event.kind == "stored":
-                yield BlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=block_size,
-                    lora_id=None,
-                    medium=MEDIUM_CPU,
-                    lora_name=None,
-                    group_idx=group,
-                )
-            else:
-                yield BlockRemoved(
-                    block_hashes=hashes, medium=MEDIUM_CPU, group_idx=group
-                )
+                yield _stored(run, block_size, MEDIUM_CPU, None)
+        else:
+            yield from _named_only(
+                event.kind == "stored", event.keys, block_size, MEDIUM_CPU, None
+            )
 
 
-def _stored(run: StoredBlocks, block_size: int) -> BlockStored:
+def remote_kv_events(
+    events: Iterable[RemoteTierEvent], block_size: int
+) -> Iterator[KVCacheEvent]:
+    """The vLLM KV events for the shared store's events, in order."""
+    for event in events:
+        if event.kind == "stored" and event.detail is not None:
+            for run in event.detail:
+                yield _stored(run, block_size, MEDIUM_STORAGE, LOCALITY_REMOTE)
+        else:
+            yield from _named_only(
+                event.kind == "stored",
+                event.keys,
+                block_size,
+                MEDIUM_STORAGE,
+                LOCALITY_REMOTE,
+            )
+
+
+def _named_only(
+    stored: bool,
+    keys: Sequence[BlockKey],
+    block_size: int,
+    medium: str,
+    locality: str | None,
+) -> Iterator[KVCacheEvent]:
+    """Events that name the blocks only, one per KV cache group."""
+    pairs = cast(Sequence[tuple[int, bytes]], keys)
+    for group, group_keys in groupby(pairs, key=lambda key: key[0]):
+        hashes = [_external(block_hash) for _, block_hash in group_keys]
+        if stored:
+            yield BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=block_size,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+                group_idx=group,
+                locality=locality,
+            )
+        else:
+            yield BlockRemoved(
+                block_hashes=hashes, medium=medium, group_idx=group, locality=locality
+            )
+
+
+def _stored(
+    run: StoredBlocks, block_size: int, medium: str, locality: str | None
+) -> BlockStored:
     parent = run.parent_block_hash
     return BlockStored(
         block_hashes=[_external(h) for h in run.block_hashes],
@@ -69,9 +115,10 @@ def _stored(run: StoredBlocks, block_size: int) -> BlockStored:
         token_ids=run.token_ids,
         block_size=block_size,
         lora_id=run.lora_id,
-        medium=MEDIUM_CPU,
+        medium=medium,
         lora_name=run.lora_name,
         extra_keys=run.extra_keys,
         group_idx=run.group_id,
         session_id=run.session_id,
+        locality=locality,
     )

@@ -56,23 +56,36 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     # (on every worker that reported: an AND over workers), and the workers counted.
     fetched: dict[int, list[bool]] = field(default_factory=dict)
     fetch_reports: Counter[int] = field(default_factory=Counter)
-    # Store jobs whose write-through ended (stored, refused or dropped), per worker.
+    # Store jobs whose write-through ended (stored, refused or dropped), per worker,
+    # and for each block whether the store holds it (an AND over workers).
     written: Counter[int] = field(default_factory=Counter)
+    write_stored: dict[int, list[bool]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerReport:
         assert isinstance(other, OffloadWorkerReport)
-        fetched = dict(self.fetched)
-        for job_id, arrived in other.fetched.items():
-            mine = fetched.get(job_id)
-            fetched[job_id] = (
-                list(arrived)
-                if mine is None
-                else [a and b for a, b in zip(mine, arrived, strict=True)]
-            )
         return OffloadWorkerReport(
             self.finished + other.finished,
             self.failed | other.failed,
-            fetched,
+            all_of(self.fetched, other.fetched),
             self.fetch_reports + other.fetch_reports,
             self.written + other.written,
+            all_of(self.write_stored, other.write_stored),
         )
+
+
+def all_of(
+    mine: dict[int, list[bool]], theirs: dict[int, list[bool]]
+) -> dict[int, list[bool]]:
+    """Per job and block, whether it holds on both sides (a job one side lacks: the
+    other's)."""
+    both = dict(mine)
+    for job_id, flags in theirs.items():
+        both[job_id] = and_of(both.get(job_id), flags)
+    return both
+
+
+def and_of(so_far: list[bool] | None, flags: list[bool]) -> list[bool]:
+    """Per block, whether it holds in `so_far` (None: nothing yet) and in `flags`."""
+    if so_far is None:
+        return list(flags)
+    return [a and b for a, b in zip(so_far, flags, strict=True)]

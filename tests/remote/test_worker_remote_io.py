@@ -71,7 +71,7 @@ def _until(io: RemoteIO, done: object) -> RemoteResults:
     while True:
         got = io.poll()
         merged.fetched.update(got.fetched)
-        merged.written |= got.written
+        merged.written.update(got.written)
         for k, v in got.stats.items():
             merged.stats[k] = merged.stats.get(k, 0) + v
         if done(merged):  # type: ignore[operator]
@@ -85,7 +85,7 @@ def test_written_blocks_come_back_into_other_host_blocks(redis_url: str) -> None
     writer, reader = _io(redis_url, writer_host), _io(redis_url, reader_host)
     keys = [f"{NAMESPACE}/0/a{i}" for i in range(3)]
     writer.write(RemoteBlocks(1, keys, [5, 0, 3]))
-    _until(writer, lambda r: 1 in r.written)
+    assert _until(writer, lambda r: 1 in r.written).written[1] == [True] * 3
     # The scheduler sees every rank's shard.
     lookup = RemoteLookup(_connected(redis_url, "scheduler"), ["tp0-pp0"], timeout_s=5)
     assert lookup.count_hits([*keys, f"{NAMESPACE}/0/missing"]) == 3
@@ -140,11 +140,12 @@ def test_a_full_write_queue_drops_and_says_so(redis_url: str) -> None:
     dropped = io.write(
         RemoteBlocks(2, [f"{NAMESPACE}/q/x{i}" for i in range(2)], [2, 3])
     )
-    results = _until(io, lambda r: {1, 2} <= r.written)
+    results = _until(io, lambda r: {1, 2} <= r.written.keys())
     # The first may be taken off the queue before the second comes: then both fit.
-    assert kept
+    assert kept and results.written[1] == [True, True]
     if not dropped:
         assert results.stats["write_dropped_blocks"] == 2
+        assert results.written[2] == [False, False]
     io.close()
 
 
@@ -154,7 +155,7 @@ def test_a_store_that_is_down_costs_misses_within_the_timeout() -> None:
     io.write(RemoteBlocks(1, ["k"], [0]))
     io.fetch(RemoteBlocks(2, ["k"], [1]))
     results = _until(io, lambda r: 1 in r.written and 2 in r.fetched)
-    assert results.fetched[2] == [False]
+    assert results.fetched[2] == [False] and results.written[1] == [False]
     # A back-off longer than the test: its second call is never a second try.
     lookup = RemoteLookup(
         open_store(url, role="scheduler"), ["tp0-pp0"], timeout_s=0.5, backoff_s=3600

@@ -46,6 +46,19 @@ def vllm_utils(vllm_sdist: Path) -> ModuleType:
     return module
 
 
+class _KeptEvents:
+    """A KV event publisher that keeps what it is given."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
 class Engine:
     """vLLM's Scheduler (with our scheduler-role connector) and our worker-role
     connector."""
@@ -56,6 +69,7 @@ class Engine:
         model: str,
         remote_url: str | None = None,
         offload_block_size: int | None = None,
+        kv_events: bool = False,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.kv_cache_interface import (
@@ -86,6 +100,12 @@ class Engine:
             },
             kv_load_failure_policy="recompute",
         )
+        if kv_events:
+            from vllm.config import KVEventsConfig
+
+            config.kv_events_config = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="null"
+            )
         spec = FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
         )
@@ -98,6 +118,10 @@ class Engine:
             config, num_blocks=DEVICE_BLOCKS, kv_cache_config=kv_config
         )
         self.tier = self.scheduler.connector.scheduler
+        # The KV events vLLM's Scheduler publishes, kept here instead.
+        self.events: list[Any] = []
+        if kv_events:
+            self.scheduler.kv_event_publisher = _KeptEvents(self.events)
         # vLLM's CPU layout of one layer: [blocks, kv heads, block size, 2 * head size].
         self.kv = torch.full((DEVICE_BLOCKS, 1, BLOCK_SIZE, 2), -1.0)
         self.worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
@@ -419,3 +443,73 @@ def test_a_request_aborted_while_it_waits_for_the_store_frees_everything(
         time.sleep(0.001)
         assert time.monotonic() < deadline, "the aborted request was never freed"
     _assert_drained(b)
+
+
+def test_kv_events_say_what_the_shared_store_holds_and_what_it_lacks(
+    vllm_utils: ModuleType, tiny_model: str, redis_url: str
+) -> None:
+    # A's blocks, once written through, are announced with medium STORAGE and locality
+    # REMOTE, with what the host tier's events for them say. Torn in the store, B's
+    # fetch refuses them: B announces them removed from the store.
+    import redis
+    from vllm.distributed.kv_events import (
+        MEDIUM_CPU,
+        MEDIUM_STORAGE,
+        BlockRemoved,
+        BlockStored,
+    )
+
+    from vllm_cpu_offload.remote.namespace import shard_key
+
+    def per_block(events: list[Any], medium: str) -> dict[Any, tuple]:
+        blocks = {}
+        for e in events:
+            if not isinstance(e, BlockStored) or e.medium != medium:
+                continue
+            parent = e.parent_block_hash
+            for i, block_hash in enumerate(e.block_hashes):
+                tokens = e.token_ids[i * e.block_size : (i + 1) * e.block_size]
+                blocks[block_hash] = (parent, tuple(tokens), e.locality, e.group_idx)
+                parent = block_hash
+        return blocks
+
+    a, b = (
+        Engine(vllm_utils, tiny_model, redis_url, kv_events=True) for _ in range(2)
+    )
+    prompt_tokens = 6 * BLOCK_SIZE + 3
+    a.run(a.request(7, prompt_tokens))
+    _written_through(a)
+    host = per_block(a.events, MEDIUM_CPU)
+    remote = per_block(a.events, MEDIUM_STORAGE)
+    assert len(host) == 6 and remote.keys() == host.keys()
+    assert all(
+        remote[h] == (*host[h][:2], "REMOTE", host[h][3]) and host[h][2] is None
+        for h in host
+    ), (host, remote)
+
+    assert a.worker.worker is not None and a.worker.worker.remote_io is not None
+    rank = a.worker.worker.remote_io.rank
+    request = b.request(7, prompt_tokens)
+    torn = redis.Redis.from_url(redis_url)
+    for block_hash in request.block_hashes[:6]:
+        key = shard_key(a.tier._remote_key((0, block_hash)), rank)
+        assert torn.set(key, b"torn")
+    torn.close()
+    b.run(request)
+    assert b.tier.stats.remote_missed_blocks == 6
+    removed = [
+        h
+        for e in b.events
+        if isinstance(e, BlockRemoved) and e.medium == MEDIUM_STORAGE
+        for h in e.block_hashes
+    ]
+    assert sorted(removed) == sorted(host) and len(request.output_token_ids) == 8
+    assert all(
+        e.locality == "REMOTE"
+        for e in b.events
+        if isinstance(e, BlockRemoved) and e.medium == MEDIUM_STORAGE
+    )
+    for engine in (a, b):
+        _written_through(engine)
+        _assert_drained(engine)
+        engine.worker.shutdown()

@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer, RemoteBlocks
-from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
+from vllm_cpu_offload.metadata import (
+    OffloadStepMetadata,
+    OffloadWorkerReport,
+    and_of,
+)
 from vllm_cpu_offload.remote.namespace import block_key
 from vllm_cpu_offload.scheduler.block_pool import (
     BlockKey,
@@ -80,6 +84,17 @@ class _JobInFlight:
     stored: list[StoredBlocks] | None = None  # for KV events, when they are on
     # async: the host blocks the workers fill from the shared store, in order
     fetched: list[BlockKey] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RemoteTierEvent:
+    """Blocks the shared store holds now ("stored": every worker wrote its shard), or
+    blocks it listed and did not serve ("missing"), in order; for KV events."""
+
+    kind: Literal["stored", "missing"]
+    keys: tuple[BlockKey, ...]
+    # "stored", when every block of a store job was written: what its events say
+    detail: list[StoredBlocks] | None = None
 
 
 @dataclass
@@ -153,9 +168,13 @@ class HostTierScheduler:
         # far, and how many workers reported
         self._fetch_results: dict[int, list[bool]] = {}
         self._fetch_reports: Counter[int] = Counter()
-        # store job -> blocks pinned until every worker wrote them through
-        self._writing: dict[int, list[BlockKey]] = {}
+        # store job -> blocks pinned until every worker wrote them through (and the
+        # job's record for KV events)
+        self._writing: dict[int, tuple[list[BlockKey], list[StoredBlocks] | None]] = {}
         self._write_reports: Counter[int] = Counter()
+        # store job -> for each block, whether every worker that reported wrote it
+        self._write_stored: dict[int, list[bool]] = {}
+        self._remote_events: list[RemoteTierEvent] = []
         # key -> until when the store is not asked for it (a fetch of it failed)
         self._unfetchable: OrderedDict[BlockKey, float] = OrderedDict()
         # Finished requests whose device blocks wait for these store jobs, not yet
@@ -534,7 +553,7 @@ class HostTierScheduler:
                 if self._reports[job_id] >= self.num_workers:
                     self._complete(job_id, success=True)
             for job_id, count in report.written.items():
-                self._write_ended(job_id, count)
+                self._write_ended(job_id, count, report.write_stored.get(job_id))
         released = {
             req_id for req_id, jobs in self._awaiting_stores.items() if not jobs
         }
@@ -549,12 +568,7 @@ class HostTierScheduler:
         job = self._jobs.get(job_id)
         if job is None or job.kind != "async":
             return
-        so_far = self._fetch_results.get(job_id)
-        both = (
-            arrived
-            if so_far is None
-            else [a and b for a, b in zip(so_far, arrived, strict=True)]
-        )
+        both = and_of(self._fetch_results.get(job_id), arrived)
         self._fetch_results[job_id] = both
         self._fetch_reports[job_id] += reports
         if self._fetch_reports[job_id] < self.num_workers:
@@ -565,6 +579,8 @@ class HostTierScheduler:
         if bad:
             self.pool.complete_store(bad, False)
             self._remember_unfetchable(bad)
+            if self.record_stored_blocks:
+                self._remote_events.append(RemoteTierEvent("missing", tuple(bad)))
             state = self._requests.get(job.req_id)
             if state is not None:
                 state.remote_failed = True
@@ -586,15 +602,29 @@ class HostTierScheduler:
         while len(self._unfetchable) > UNFETCHABLE_MAX_KEYS:
             self._unfetchable.popitem(last=False)
 
-    def _write_ended(self, job_id: int, count: int) -> None:
-        """Workers wrote a store job through (or gave up): once every worker did, its
-        blocks may be evicted again."""
+    def _write_ended(self, job_id: int, count: int, stored: list[bool] | None) -> None:
+        """`count` workers wrote a store job through (or gave up), `stored` saying
+        which blocks they wrote: once every worker did, its blocks may be evicted
+        again, and those every worker wrote are the store's (a KV event)."""
         if job_id not in self._jobs and job_id not in self._writing:
             return  # a failed store: nothing was pinned for it
         self._write_reports[job_id] += count
-        if job_id in self._writing and self._write_reports[job_id] >= self.num_workers:
-            self.pool.unpin(self._writing.pop(job_id))
-            del self._write_reports[job_id]
+        if stored is not None:
+            self._write_stored[job_id] = and_of(self._write_stored.get(job_id), stored)
+        if job_id not in self._writing:
+            return
+        if self._write_reports[job_id] < self.num_workers:
+            return
+        keys, runs = self._writing.pop(job_id)
+        del self._write_reports[job_id]
+        flags = self._write_stored.pop(job_id, None) or [False] * len(keys)
+        self.pool.unpin(keys)
+        if self.record_stored_blocks and any(flags):
+            written = tuple(key for key, ok in zip(keys, flags, strict=True) if ok)
+            whole = len(written) == len(keys)
+            self._remote_events.append(
+                RemoteTierEvent("stored", written, runs if whole else None)
+            )
 
     def _complete(self, job_id: int, success: bool) -> None:
         job = self._jobs.pop(job_id)
@@ -615,10 +645,11 @@ class HostTierScheduler:
         if success and self.remote is not None:
             # Written through by every worker before its blocks may go.
             self.pool.pin(job.keys)
-            self._writing[job_id] = job.keys
-            self._write_ended(job_id, 0)
+            self._writing[job_id] = (job.keys, job.stored)
+            self._write_ended(job_id, 0, None)
         elif not success:
             self._write_reports.pop(job_id, None)
+            self._write_stored.pop(job_id, None)
         if success:
             self.stats.stored_blocks += len(job.keys) * self.blocks_per_host_block
             stored = self.stats.stored_by_group
@@ -652,6 +683,12 @@ class HostTierScheduler:
                 self.stats.evicted_blocks += (
                     len(event.keys) * self.blocks_per_host_block
                 )
+        return events
+
+    def take_remote_events(self) -> list[RemoteTierEvent]:
+        """What the shared store gained or was found to lack since the last call
+        (recorded only while KV events are on)."""
+        events, self._remote_events = self._remote_events, []
         return events
 
     # ---- helpers ----

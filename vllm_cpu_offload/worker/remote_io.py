@@ -53,8 +53,9 @@ class RemoteResults:
 
     # job id -> for each of its blocks, whether it is in host memory now
     fetched: dict[int, list[bool]] = field(default_factory=dict)
-    # write jobs done, whether stored, failed or dropped
-    written: set[int] = field(default_factory=set)
+    # write job id -> for each of its blocks, whether the store holds it now (a
+    # failed or dropped write: all False)
+    written: dict[int, list[bool]] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
 
 
@@ -123,7 +124,7 @@ class RemoteIO:
         with self._lock:
             if self._queued_write_blocks + len(job.keys) > self.max_queued_writes:
                 self._count("write_dropped_blocks", len(job.keys))
-                self._results.written.add(job.job_id)
+                self._results.written[job.job_id] = [False] * len(job.keys)
                 return False
             self._queued_write_blocks += len(job.keys)
             self._writes.append(job)
@@ -181,18 +182,15 @@ class RemoteIO:
                     self._queued_write_blocks -= len(job.keys)
                 self._busy = True
             try:
-                if is_fetch:
-                    arrived = self._fetch(job)
-                else:
-                    self._write(job)
+                done = self._fetch(job) if is_fetch else self._write(job)
             except Exception:  # the thread must outlive any one job
                 logger.exception("remote KV job %d failed", job.job_id)
-                arrived = [False] * len(job.keys)
+                done = [False] * len(job.keys)
             with self._lock:
                 if is_fetch:
-                    self._results.fetched[job.job_id] = arrived
+                    self._results.fetched[job.job_id] = done
                 else:
-                    self._results.written.add(job.job_id)
+                    self._results.written[job.job_id] = done
                 self._busy = False
                 self._lock.notify_all()
 
@@ -212,7 +210,9 @@ class RemoteIO:
         at = self._headers_at + i * value_format.HEADER_BYTES
         return Span(at, value_format.HEADER_BYTES)
 
-    def _write(self, job: RemoteBlocks) -> None:
+    def _write(self, job: RemoteBlocks) -> list[bool]:
+        """Writes the job's blocks; for each, whether the store holds it now."""
+        written: list[bool] = []
         for start in range(0, len(job.keys), WRITE_BATCH):
             keys = [
                 shard_key(k, self.rank) for k in job.keys[start : start + WRITE_BATCH]
@@ -232,12 +232,15 @@ class RemoteIO:
                 stored = self.store.put(keys, values, self.timeout_s)
             except RemoteStoreError as e:
                 self._failed("write", len(keys), e)
+                written += [False] * len(keys)
                 continue
             self._count("write_seconds", time.perf_counter() - begin)
+            written += stored
             done = sum(stored)
             self._count("written_blocks", done)
             self._count("bytes_out", done * self._block_bytes)
             self._count("write_refused_blocks", len(keys) - done)
+        return written
 
     def _fetch(self, job: RemoteBlocks) -> list[bool]:
         arrived: list[bool] = []

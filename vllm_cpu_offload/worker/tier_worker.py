@@ -245,8 +245,8 @@ class HostTierWorker:
             results = self.remote_io.poll()
             for job_id, arrived in results.fetched.items():
                 self._fetched(job_id, arrived)
-            for job_id in results.written:
-                self._report.written[job_id] += 1
+            for job_id, stored in results.written.items():
+                self._wrote(job_id, stored)
             self._remote_stats.update(results.stats)
             if results.fetched:
                 # The CPU platform loaded them already.
@@ -323,8 +323,14 @@ class HostTierWorker:
             if stored and self.remote_io is not None:
                 self.remote_io.write(write)
             else:
-                self._report.written[job_id] += 1
+                self._wrote(job_id, [False] * len(write.keys))
         self._store_done(job_id)
+
+    def _wrote(self, job_id: int, stored: list[bool]) -> None:
+        """A store job's write-through ended: for each block, whether the store holds
+        it now."""
+        self._report.written[job_id] += 1
+        self._report.write_stored[job_id] = stored
 
     def _store_done(self, job_id: int) -> None:
         req_id = self._store_req.pop(job_id, None)
