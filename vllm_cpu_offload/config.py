@@ -36,6 +36,11 @@ DEFAULT_COPY_BACKEND = "auto"
 # that does not answer in time costs a miss. Generous for a loaded loopback store.
 DEFAULT_REMOTE_TIMEOUT_S = 2.0
 
+# Host hits of at least this many tokens load across steps while other requests run
+# (the request waits, they do not) when `async_load_tokens` is not set. Measured on CPU:
+# docs/design.md, "Loads that span steps".
+DEFAULT_ASYNC_LOAD_TOKENS = 4096
+
 
 def names_our_connector(kv_transfer_config: Any) -> bool:
     """Whether a vLLM `kv_transfer_config` (or None) selects this connector."""
@@ -63,6 +68,10 @@ class OffloadConfig:
         remote_url: a store shared by every engine behind host memory (remote/):
             `mooncake://`, `redis://`, `rediss://` or a user's backend; None: none.
         remote_timeout_s: the bound of every call to that store, in seconds.
+        async_load_tokens: host hits of at least this many tokens load across steps
+            while other requests run, as a shared store's hits do: the request waits in
+            vLLM's waiting-for-remote-KV state, the others go on; 0: every host hit
+            loads inside its step.
 
     """
 
@@ -73,6 +82,7 @@ class OffloadConfig:
     swap_space_path: str | None = None
     remote_url: str | None = None
     remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S
+    async_load_tokens: int = DEFAULT_ASYNC_LOAD_TOKENS
 
     @property
     def swap_space_bytes(self) -> int:
@@ -92,6 +102,8 @@ class OffloadConfig:
             extra["remote_url"] = self.remote_url
         if self.remote_timeout_s != DEFAULT_REMOTE_TIMEOUT_S:
             extra["remote_timeout_s"] = self.remote_timeout_s
+        if self.async_load_tokens != DEFAULT_ASYNC_LOAD_TOKENS:
+            extra["async_load_tokens"] = self.async_load_tokens
         return extra
 
     def blocks_per_host_block(self, block_size: int) -> int:
@@ -120,6 +132,7 @@ class OffloadConfig:
             "swap_space_path",
             "remote_url",
             "remote_timeout_s",
+            "async_load_tokens",
         )
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
@@ -168,6 +181,16 @@ class OffloadConfig:
                 "remote_timeout_s must be a positive number of seconds (e.g. 2), got "
                 f"{timeout!r}"
             )
+        threshold = extra.get("async_load_tokens", DEFAULT_ASYNC_LOAD_TOKENS)
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, int)
+            or threshold < 0
+        ):
+            raise OffloadConfigError(
+                "async_load_tokens must be a number of tokens (e.g. 8192), or 0 to "
+                f"load every host hit inside its step, got {threshold!r}"
+            )
         return cls(
             swap_space_gib=swap,
             eviction_policy=policy,
@@ -176,6 +199,7 @@ class OffloadConfig:
             swap_space_path=None if path is None else parse_swap_space_path(path),
             remote_url=url,
             remote_timeout_s=float(timeout),
+            async_load_tokens=threshold,
         )
 
 

@@ -207,6 +207,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 blocks_per_host_block=k,
                 remote=self._remote_lookup,
                 namespace=namespace,
+                async_load_tokens=self.offload_config.async_load_tokens,
             )
         else:
             self.worker = HostTierWorker(

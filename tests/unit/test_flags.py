@@ -377,3 +377,15 @@ def test_swap_space_remote_reaches_the_connector_config() -> None:
     assert OffloadConfig.from_extra_config(config.to_extra_config()) == config
     with pytest.raises(OffloadConfigError, match="remote_timeout_s must be a positive"):
         flags.resolve_offload(_args(kv_transfer_config=_extra(remote_timeout_s=0)))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "4096", True])
+def test_async_load_tokens_is_a_count_of_tokens(bad: object) -> None:
+    # Absent: the default; 0 loads every host hit inside its step; anything but a
+    # count of tokens is refused with the fix.
+    assert OffloadConfig.from_extra_config({}).async_load_tokens == 4096
+    zero = OffloadConfig.from_extra_config({"async_load_tokens": 0})
+    assert zero.async_load_tokens == 0
+    assert OffloadConfig.from_extra_config(zero.to_extra_config()) == zero
+    with pytest.raises(OffloadConfigError, match="async_load_tokens must be a number"):
+        flags.resolve_offload(_args(kv_transfer_config=_extra(async_load_tokens=bad)))

@@ -46,6 +46,7 @@ class Engine:
         policy: str = "lru",
         sliding_window: int | None = None,
         k: int = 1,
+        async_load_tokens: int = 0,
     ) -> None:
         attn: dict[str, Any] = dict(
             block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32
@@ -69,6 +70,7 @@ class Engine:
             block_bytes=64,
             groups=kv_groups_of(config, BS),
             blocks_per_host_block=k,
+            async_load_tokens=async_load_tokens,
         )
         self.tier.bind_kv_cache_manager(self.kv)
 
@@ -187,6 +189,64 @@ def test_load_plan_pins_host_blocks_until_the_load_is_reported() -> None:
     assert (
         engine.tier.stats.hit_tokens == 2 * BS and engine.tier.stats.loaded_blocks == 2
     )
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_host_hit_of_async_load_tokens_or_more_loads_across_steps(k: int) -> None:
+    # With another request computing in the last step, the hit waits as a shared
+    # store's does (vLLM's waiting-for-remote-KV state): one job with nothing to fetch
+    # loads every block of it, and its host blocks stay pinned until every worker
+    # reported it.
+    engine = Engine(async_load_tokens=2 * BS, k=k, workers=2)
+    meta = _prefill(engine, _request("a", list(range(10))))
+    for _ in range(2):
+        engine.report(meta.stores[0].job_id)
+    twin = _request("b", list(range(10)))
+    assert engine.admit(twin) == 2 * BS and engine.tier.load_is_async(twin)
+    meta = engine.step({})
+    assert not meta.loads and not meta.stores
+    (async_load,) = meta.async_loads
+    job = async_load.load.job_id
+    assert async_load.fetch.keys == [] and not async_load.unloadable
+    assert async_load.load.device_block_ids == engine.kv.get_block_ids("b")[0][:2]
+    assert async_load.fetched_from == 2
+    assert engine.tier.pool.num_pinned == 2 // k
+    done = OffloadWorkerReport(Counter({job: 1}), set(), {job: []}, Counter({job: 1}))
+    engine.tier.update_connector_output(done)
+    assert engine.tier.pool.num_pinned == 2 // k  # one worker of two
+    engine.tier.update_connector_output(done)
+    assert engine.tier.pool.num_pinned == 0
+    assert engine.tier.stats.hit_tokens == 2 * BS
+    assert engine.tier.stats.remote_hit_tokens == 0
+
+
+def test_a_host_hit_with_no_other_request_running_loads_inside_its_step() -> None:
+    # Nothing ran in the last step: no decode to hold back, so the hit loads in its
+    # step (a step sooner) however large it is.
+    engine = Engine(async_load_tokens=2 * BS)
+    meta = _prefill(engine, _request("a", list(range(10))))
+    engine.report(meta.stores[0].job_id)
+    engine.step({})
+    twin = _request("b", list(range(10)))
+    assert engine.admit(twin) == 2 * BS and not engine.tier.load_is_async(twin)
+    meta = engine.step({"b": 2})
+    assert len(meta.loads) == 1 and not meta.async_loads
+
+
+def test_a_host_hit_below_async_load_tokens_loads_inside_its_step() -> None:
+    # One block is below the threshold of two: loaded in the step, as without one;
+    # the prompt's last block but one token counts its tokens, not its blocks.
+    engine = Engine(async_load_tokens=2 * BS)
+    meta = _prefill(engine, _request("a", list(range(10))))
+    engine.report(meta.stores[0].job_id)
+    short = _request("b", [*range(BS), 50, 51])
+    assert engine.admit(short) == BS and not engine.tier.load_is_async(short)
+    meta = engine.step({"b": 2})
+    assert len(meta.loads) == 1 and not meta.async_loads
+    engine.report(meta.loads[0].job_id)
+    whole = _request("c", list(range(2 * BS)))  # 2 * BS - 1 tokens: below it too
+    assert engine.admit(whole) == 2 * BS - 1
+    assert not engine.tier.load_is_async(whole)
 
 
 def test_a_job_completes_once_every_worker_reported_it() -> None:

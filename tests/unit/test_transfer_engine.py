@@ -91,6 +91,22 @@ def test_loads_are_synchronous_on_cpu() -> None:
     assert engine.poll_finished() == FinishedJobs(loads={3})
 
 
+def test_background_loads_copy_at_once_on_cpu_and_are_reported_once() -> None:
+    # Loads that span steps need no step around them on CPU: copied when queued,
+    # reported by the next poll, once.
+    caches = _caches()
+    engine = _engine(caches)
+    engine.host.tensor.copy_(
+        torch.randint(0, 256, engine.host.tensor.shape, dtype=torch.uint8)
+    )
+    engine.start_background_loads([BlockTransfer(4, [0, 7], [5, 3])])
+    for name, t in caches.items():
+        assert torch.equal(_device_block(t, 0), _host_block(engine, name, 5))
+        assert torch.equal(_device_block(t, 7), _host_block(engine, name, 3))
+    assert engine.poll_finished() == FinishedJobs(loads={4})
+    assert engine.poll_finished() == FinishedJobs()
+
+
 def test_bad_ids_fail_only_their_job() -> None:
     # Out-of-range and mismatched ids: those jobs fail, the good one finishes.
     caches = _caches()
@@ -255,6 +271,33 @@ def test_cuda_step_loads_layer_by_layer_and_stores_async(kind: str) -> None:
     assert engine.poll_finished() == FinishedJobs(stores={2}, loads={1})
     for name, t in caches.items():
         assert torch.equal(_host_block(engine, name, 0), _device_block(t, 3))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_background_loads_hold_back_no_step() -> None:
+    # A background load whose stream is still busy (a sleep queued before it) is not
+    # waited for by the step's own loads, by compute, or by finish_step: the step ends
+    # on the device while the load has not run; it is reported once it has.
+    caches = _caches("cuda")
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))
+    engine = TransferEngine(caches, host, copier=_cuda_copier("triton", caches, host))
+    with torch.cuda.stream(engine._background_stream):
+        torch.cuda._sleep(4_000_000_000)  # seconds on any GPU
+    engine.start_background_loads([BlockTransfer(1, [6], [0])])
+    engine.start_loads([BlockTransfer(2, [5], [2])])
+    for name, t in caches.items():
+        engine.wait_for_layer_load(name)
+        t[3].add_(1)
+    engine.finish_step()
+    torch.cuda.current_stream().synchronize()  # the step, not the background load
+    assert engine.poll_finished().loads == {2}
+    engine.wait_all()
+    assert engine.poll_finished() == FinishedJobs(loads={1})
+    for name, t in caches.items():
+        assert torch.equal(_device_block(t, 6), _host_block(engine, name, 0))
+        assert torch.equal(_device_block(t, 5), _host_block(engine, name, 2))
 
 
 @pytest.mark.cuda

@@ -70,6 +70,8 @@ class Engine:
         remote_url: str | None = None,
         offload_block_size: int | None = None,
         kv_events: bool = False,
+        async_load_tokens: int | None = None,
+        swap_space_path: str | None = None,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.kv_cache_interface import (
@@ -97,6 +99,12 @@ class Engine:
                     if offload_block_size
                     else {}
                 ),
+                **(
+                    {"async_load_tokens": async_load_tokens}
+                    if async_load_tokens is not None
+                    else {}
+                ),
+                **({"swap_space_path": swap_space_path} if swap_space_path else {}),
             },
             kv_load_failure_policy="recompute",
         )
@@ -114,6 +122,12 @@ class Engine:
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
         )
+        # The worker first, as vLLM's engine core starts them: a persistent tier's
+        # index then names the worker's data file.
+        # vLLM's CPU layout of one layer: [blocks, kv heads, block size, 2 * head size].
+        self.kv = torch.full((DEVICE_BLOCKS, 1, BLOCK_SIZE, 2), -1.0)
+        self.worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
+        self.worker.register_kv_caches({"layer": self.kv})
         self.scheduler = utils.create_scheduler(
             config, num_blocks=DEVICE_BLOCKS, kv_cache_config=kv_config
         )
@@ -122,10 +136,6 @@ class Engine:
         self.events: list[Any] = []
         if kv_events:
             self.scheduler.kv_event_publisher = _KeptEvents(self.events)
-        # vLLM's CPU layout of one layer: [blocks, kv heads, block size, 2 * head size].
-        self.kv = torch.full((DEVICE_BLOCKS, 1, BLOCK_SIZE, 2), -1.0)
-        self.worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
-        self.worker.register_kv_caches({"layer": self.kv})
         self.checked_slots = 0
         self.invalid_blocks = 0
 
@@ -150,9 +160,16 @@ class Engine:
                     self.checked_slots += 1
         return wrong
 
+    def shutdown(self) -> None:
+        """Both halves, as vLLM shuts an engine down (a persistent tier closes its
+        index)."""
+        self.worker.shutdown()
+        self.scheduler.connector.shutdown()
+
     def step(self) -> Any:
         out = self.scheduler.schedule()
         self.last_scheduled_tokens = out.total_num_scheduled_tokens
+        self.last_scheduled = dict(out.num_scheduled_tokens)
         meta = out.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
@@ -272,6 +289,40 @@ def test_a_prompt_ending_on_a_block_boundary_computes_only_its_last_token(
     assert engine.checked_slots - checked >= 6 * BLOCK_SIZE - 1
     assert engine.invalid_blocks == 0 and len(again.output_token_ids) == 8
     _assert_drained(engine)
+
+
+def test_a_large_host_hit_loads_across_steps_while_another_request_decodes(
+    vllm_utils: ModuleType, tiny_model: str
+) -> None:
+    # A host hit of async_load_tokens or more waits in vLLM's waiting-for-remote-KV
+    # state: the step that loads it schedules the other request's decode and not it;
+    # it computes from the next step on, and every slot it reads holds its token.
+    from vllm.v1.request import RequestStatus
+
+    engine = Engine(vllm_utils, tiny_model, async_load_tokens=4 * BLOCK_SIZE)
+    try:
+        engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
+        for seed in (2, 3, 4, 5, 6):
+            engine.run(engine.request(seed, 6 * BLOCK_SIZE))
+        decoding = engine.request(9, BLOCK_SIZE + 3, max_tokens=30)
+        engine.scheduler.add_request(decoding)
+        engine.step()
+        hits, checked = engine.tier.stats.hit_tokens, engine.checked_slots
+        again = engine.request(1, 5 * BLOCK_SIZE + 3)
+        engine.scheduler.add_request(again)
+        engine.step()
+        assert engine.last_scheduled == {decoding.request_id: 1}
+        assert again.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        engine.step()
+        assert engine.last_scheduled == {decoding.request_id: 1, again.request_id: 3}
+        engine.run()
+        assert engine.tier.stats.hit_tokens - hits == 5 * BLOCK_SIZE
+        assert engine.checked_slots - checked >= 5 * BLOCK_SIZE
+        assert engine.invalid_blocks == 0 and len(again.output_token_ids) == 8
+        assert len(decoding.output_token_ids) == 30
+        _assert_drained(engine)
+    finally:
+        engine.worker.shutdown()
 
 
 def test_failed_loads_are_recomputed_through_vllms_invalid_blocks(
@@ -473,9 +524,7 @@ def test_kv_events_say_what_the_shared_store_holds_and_what_it_lacks(
                 parent = block_hash
         return blocks
 
-    a, b = (
-        Engine(vllm_utils, tiny_model, redis_url, kv_events=True) for _ in range(2)
-    )
+    a, b = (Engine(vllm_utils, tiny_model, redis_url, kv_events=True) for _ in range(2))
     prompt_tokens = 6 * BLOCK_SIZE + 3
     a.run(a.request(7, prompt_tokens))
     _written_through(a)
@@ -513,3 +562,43 @@ def test_kv_events_say_what_the_shared_store_holds_and_what_it_lacks(
         _written_through(engine)
         _assert_drained(engine)
         engine.worker.shutdown()
+
+
+def test_a_persistent_host_tier_in_front_of_the_shared_store_survives_a_restart(
+    vllm_utils: ModuleType, tiny_model: str, redis_url: str, tmp_path: Path
+) -> None:
+    # --swap-space-path with --swap-space-remote: A computes one prefix and fetches
+    # another that B computed; after A's restart on its tier directory, both are host
+    # hits (none is fetched again), and every slot they fill is right.
+    tiers = {name: tmp_path / name for name in ("a", "b")}
+    for tier in tiers.values():
+        tier.mkdir(mode=0o700)
+
+    def start(name: str) -> Engine:
+        return Engine(
+            vllm_utils, tiny_model, redis_url, swap_space_path=str(tiers[name])
+        )
+
+    a, b = start("a"), start("b")
+    a.run(a.request(11, 6 * BLOCK_SIZE + 3))
+    b.run(b.request(12, 5 * BLOCK_SIZE + 3))
+    _written_through(b)
+    a.run(a.request(12, 5 * BLOCK_SIZE + 3))
+    assert a.tier.stats.remote_hit_tokens == 5 * BLOCK_SIZE
+    for engine in (a, b):
+        _written_through(engine)
+        _assert_drained(engine)
+        engine.shutdown()
+
+    again = start("a")
+    try:
+        assert len(again.tier.pool) == 11
+        for seed, blocks in ((11, 6), (12, 5)):
+            again.run(again.request(seed, blocks * BLOCK_SIZE + 3))
+        assert again.tier.stats.hit_tokens == 11 * BLOCK_SIZE
+        assert again.tier.stats.remote_hit_tokens == 0
+        assert again.checked_slots >= 11 * BLOCK_SIZE and again.invalid_blocks == 0
+        _written_through(again)
+        _assert_drained(again)
+    finally:
+        again.shutdown()

@@ -22,9 +22,11 @@ Invariants (tests in tests/unit/test_tier_scheduler.py and tests/e2e):
 - Stored blocks become visible to lookups only after every worker reported the store.
 - Lookups return a contiguous run of whole blocks that starts right after the device hit
   and leaves at least one prompt token to compute.
-Loads complete within the step that plans them (no asynchronous wait), so two requests
-that share a prefix never both load it: the second one finds the first one's device
-blocks in vLLM's prefix cache, which caches them at allocation.
+A host hit below `async_load_tokens` loads within the step that plans it, so two
+requests that share a prefix never both load it: the second one finds the first one's
+device blocks in vLLM's prefix cache, which caches them at allocation. A larger hit, and
+any hit that reaches into the shared store, loads across steps (vLLM caches its blocks
+once the load is reported): a second request that arrives meanwhile loads its own copy.
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ class _RequestState:
     remote_hit: tuple[int, int] | None = None
     # The last question to the store: (first, end host block) -> its answer.
     remote_asked: tuple[int, int, int] | None = None
+    # The last lookup's hit is in host memory alone and large enough to load across
+    # steps (`async_load_tokens`).
+    async_host: bool = False
     # A fetch of this request came back short: vLLM recomputes, and the store is not
     # asked for it again (a store that lists blocks it cannot serve would otherwise
     # send the request round and round).
@@ -133,6 +138,7 @@ class HostTierScheduler:
         blocks_per_host_block: int = 1,
         remote: RemoteLookup | None = None,
         namespace: str = "",
+        async_load_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -162,6 +168,13 @@ class HostTierScheduler:
         # hit, write-through of every store, fetches that span steps.
         self.remote = remote if self._single_full_group else None
         self.namespace = namespace
+        # Host hits of at least this many tokens load across steps while other requests
+        # run; 0: none. Only with a single full-attention group, as the shared store's
+        # hits.
+        self.async_load_tokens = async_load_tokens if self._single_full_group else 0
+        # The requests the last step computed: a hit with none of them beside it holds
+        # no one back, and loads inside its step (a step sooner).
+        self._last_scheduled: frozenset[str] = frozenset()
         self._step_async_loads: list[AsyncLoad] = []
         self._step_writes: list[RemoteBlocks] = []
         # async job -> for each fetched block, whether it arrived on every worker so
@@ -237,13 +250,23 @@ class HostTierScheduler:
         state.lookup = (first, hits)
         self.stats.lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
         if not hits:
+            state.async_host = False
             return 0
-        return min(hits * self.block_size, request.num_tokens - 1 - num_computed_tokens)
+        tokens = min(
+            hits * self.block_size, request.num_tokens - 1 - num_computed_tokens
+        )
+        state.async_host = (
+            state.remote_hit is None
+            and 0 < self.async_load_tokens <= tokens
+            and bool(self._last_scheduled - {request.request_id})
+        )
+        return tokens
 
     def load_is_async(self, request: Request) -> bool:
-        """Whether the last lookup's hit waits for blocks from the shared store."""
+        """Whether the last lookup's hit loads across steps: it waits for blocks from
+        the shared store, or it is a host hit of `async_load_tokens` or more."""
         state = self._requests.get(request.request_id)
-        return state is not None and state.remote_hit is not None
+        return state is not None and (state.remote_hit is not None or state.async_host)
 
     def _remote_hits(self, state: _RequestState, start: int, end: int) -> int:
         """Host blocks [start, start + n) of the request that the shared store holds
@@ -316,7 +339,7 @@ class HostTierScheduler:
             self.pool.touch(self._needed_keys(hashes, 0, first // k * k))
         if num_external_tokens == 0:
             return
-        if state.remote_hit is not None:
+        if state.remote_hit is not None or state.async_host:
             self._plan_async_load(state, device_block_ids[0], num_external_tokens)
             return
         # Whole blocks, or the prompt's last block but its last token.
@@ -361,17 +384,18 @@ class HostTierScheduler:
     def _plan_async_load(
         self, state: _RequestState, ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        """A hit that reaches into the shared store (single full-attention group):
-        pins its host blocks, allocates host blocks for the fetched ones, and plans one
-        job that fetches them, then loads every block of the hit into `ids`."""
-        assert state.remote_hit is not None
+        """A hit that loads across steps (single full-attention group): pins its host
+        blocks, allocates host blocks for those it fetches from the shared store (none
+        for a host hit alone), and plans one job that fetches them, then loads every
+        block of the hit into `ids`."""
         request = state.request
         hashes = request.block_hashes
         k = self.blocks_per_host_block
         first = state.lookup[0]
         end = first + -(-num_external_tokens // self.block_size)
-        remote_start, _ = state.remote_hit
-        remote_end = max(remote_start, -(-end // k))
+        remote_end = -(-end // k)
+        remote_start = remote_end if state.remote_hit is None else state.remote_hit[0]
+        remote_end = max(remote_start, remote_end)
         # The host part: blocks [first, remote_start * k), pinned as for a sync load.
         host_keys = self._keys(0, hashes, first // k, remote_start)
         device_ids: list[int] = []
@@ -388,7 +412,7 @@ class HostTierScheduler:
         # recomputes the rest.
         wanted = self._keys(0, hashes, remote_start, remote_end)
         parent = (0, hashes[remote_start * k - 1]) if remote_start > 0 else None
-        got = self.pool.allocate_for_store(wanted, parent)
+        got = self.pool.allocate_for_store(wanted, parent) if wanted else []
         fetched: list[BlockKey] = []
         host_blocks: list[int] = []
         for key, (got_key, host_id) in zip(wanted, got, strict=False):
@@ -419,9 +443,12 @@ class HostTierScheduler:
             )
         )
         state.planned_upto = max(state.planned_upto, end)
-        self.stats.hit_tokens += fetched_from * self.block_size
+        # A hit counts its tokens, and ends a token short of its blocks when it covers
+        # the prompt's last block.
+        host_tokens = min(fetched_from * self.block_size, num_external_tokens)
         loaded_tokens = min(len(device_ids) * self.block_size, num_external_tokens)
-        self.stats.remote_hit_tokens += loaded_tokens - fetched_from * self.block_size
+        self.stats.hit_tokens += host_tokens
+        self.stats.remote_hit_tokens += loaded_tokens - host_tokens
         self.stats.loaded_blocks += len(device_ids)
 
     # ---- the step's metadata ----
@@ -440,6 +467,7 @@ class HostTierScheduler:
         )
         self._step_loads, self._awaiting_stores = [], {}
         self._step_async_loads = []
+        self._last_scheduled = frozenset(scheduler_output.num_scheduled_tokens)
         self.stats.preempted_requests += len(meta.preempted_req_ids)
         for req_id in meta.preempted_req_ids:
             if (state := self._requests.get(req_id)) is not None:

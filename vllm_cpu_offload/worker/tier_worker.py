@@ -175,12 +175,12 @@ class HostTierWorker:
 
     def _start_async_load(self, async_load: AsyncLoad) -> None:
         """Fetches the hit's missing blocks on the store thread; `get_finished` loads
-        the hit once they are in host memory."""
+        the hit once they are in host memory. A hit in host memory alone loads now."""
         load = async_load.load
         self._async_req[load.job_id] = load.req_id
         self._async_loads[load.job_id] = async_load
-        if self.remote_io is None:
-            # No store here (it failed to open): nothing arrives.
+        if self.remote_io is None or not async_load.fetch.keys:
+            # Nothing to fetch, or no store here (it failed to open): nothing arrives.
             self._fetched(load.job_id, [False] * len(async_load.fetch.keys))
         else:
             self.remote_io.fetch(async_load.fetch)
@@ -286,7 +286,8 @@ class HostTierWorker:
             self._collect(FinishedJobs(loads={job_id}))
             return
         start = time.perf_counter()
-        self._engine().start_loads(
+        # No step waits for it: vLLM schedules the request once it is reported.
+        self._engine().start_background_loads(
             [
                 BlockTransfer(
                     job_id,

@@ -9,6 +9,9 @@ events so that compute waits only for what it reads and never for a store:
     ----------------------  -----------------------------------------------------------
     start_loads(jobs)       load stream: wait for compute so far, then one launch per
                             layer, each followed by that layer's event
+    start_background_loads  background stream: wait for compute so far, one launch
+      (jobs)                for every layer, one completion event; nothing waits for
+                            it (loads that span steps)
     wait_for_layer_load(l)  compute stream waits for layer l's event
     store_layer(l, jobs)    store stream waits for compute so far, then one launch for
                             layer l
@@ -168,6 +171,7 @@ class TransferEngine:
         if self.use_streams:
             self._load_stream = torch.cuda.Stream(self.device, priority=-1)
             self._store_stream = torch.cuda.Stream(self.device)
+            self._background_stream = torch.cuda.Stream(self.device)
             self._load_events = {n: torch.cuda.Event() for n in self._layers}
 
     # ---- one engine step ----
@@ -207,6 +211,28 @@ class TransferEngine:
                 if not self._launch(self.copiers.loads, False, batch, [name]):
                     break
                 self._load_events[name].record(self._load_stream)
+
+    def start_background_loads(self, jobs: Sequence[BlockTransfer]) -> None:
+        """Queues the host->device copy of `jobs` that no step waits for (loads that
+        span steps): `poll_finished` reports them once done. CPU: copies them now.
+
+        On CUDA they run on a stream of their own, so that neither this step's loads
+        nor compute queue behind them; the caller makes no request read the blocks
+        before they are reported.
+        """
+        batch = self._batch(jobs)
+        if batch is None:
+            return
+        if not self.use_streams:
+            self._run_sync(False, batch)
+            self._finished.loads.update(batch.job_ids)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._background_stream):
+            # Blocks handed to these loads may still be read by earlier compute work.
+            self._background_stream.wait_stream(compute)
+            self._launch(self.copiers.loads, False, batch, None)
+        self._track(self._background_stream, batch, is_store=False)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Makes the current stream wait for this layer's load only. O(1), never
