@@ -188,12 +188,8 @@ class TransferEngine:
 
     def start_loads(self, jobs: Sequence[BlockTransfer]) -> None:
         """Queues every layer's host->device copy of `jobs` (CPU: copies them now)."""
-        batch = self._batch(jobs)
+        batch = self._load_batch(jobs)
         if batch is None:
-            return
-        if not self.use_streams:
-            self._run_sync(False, batch)
-            self._finished.loads.update(batch.job_ids)
             return
         self._loads.append(batch)
         compute = torch.cuda.current_stream(self.device)
@@ -220,12 +216,8 @@ class TransferEngine:
         nor compute queue behind them; the caller makes no request read the blocks
         before they are reported.
         """
-        batch = self._batch(jobs)
+        batch = self._load_batch(jobs)
         if batch is None:
-            return
-        if not self.use_streams:
-            self._run_sync(False, batch)
-            self._finished.loads.update(batch.job_ids)
             return
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._background_stream):
@@ -346,6 +338,16 @@ class TransferEngine:
         copier.copy(to_host, d, h, names)
 
     # ---- internals ----
+
+    def _load_batch(self, jobs: Sequence[BlockTransfer]) -> _Batch | None:
+        """The loads' batch for a stream; None when nothing is left to queue: no valid
+        job, or the CPU platform, which copies them here."""
+        batch = self._batch(jobs)
+        if batch is None or self.use_streams:
+            return batch
+        self._run_sync(False, batch)
+        self._finished.loads.update(batch.job_ids)
+        return None
 
     def _copier_for(self, to_host: bool) -> BlockCopier:
         return self.copiers.stores if to_host else self.copiers.loads
