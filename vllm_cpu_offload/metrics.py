@@ -30,6 +30,10 @@ COUNTERS = {
         "Prompt tokens past the device prefix hit that were looked up in host memory."
     ),
     "hit_tokens": "Prompt tokens loaded from host memory instead of recomputed.",
+    "async_hit_tokens": (
+        "Of those, tokens loaded across steps while the request waited "
+        "(async_load_tokens, and the host part of a shared-store hit)."
+    ),
     "stored_blocks": "KV blocks copied to host memory.",
     "loaded_blocks": "KV blocks copied back from host memory.",
     "stored_bytes": "Bytes of KV copied to host memory.",
@@ -80,7 +84,8 @@ GAUGES = {
 }
 
 _SCHEDULER_COUNTERS = (
-    "lookup_tokens", "hit_tokens", "stored_blocks", "loaded_blocks", "evicted_blocks",
+    "lookup_tokens", "hit_tokens", "async_hit_tokens", "stored_blocks", "loaded_blocks",
+    "evicted_blocks",
     "remote_lookup_tokens", "remote_hit_tokens", "remote_fetched_blocks",
     "remote_missed_blocks",
 )  # fmt: skip

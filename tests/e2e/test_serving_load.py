@@ -8,6 +8,9 @@ less than the documents and conversations need, so re-reads come back from the h
 flag and one without; every answer must be the same text. Both servers use float32: with
 bfloat16, concurrent batching alone changes greedy outputs, with or without the plugin.
 
+A third arrangement (tp1-async) sets `async_load_tokens` to one block, so that host hits
+load across steps while other requests run, aborted requests among them.
+
 Tensor parallelism 2 runs on the two cores of CI: one OpenMP thread bound to each core
 (VLLM_CPU_OMP_THREADS_BIND="0|1"; with an explicit binding vLLM reserves no core, so
 VLLM_CPU_NUM_OF_RESERVED_CPU is not needed).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -56,7 +60,27 @@ REQUEST_TIMEOUT_S = 300.0
 OFFLOAD = "vllm:cpu_offload_"
 
 
-def server_flags(tp: int, offload: bool) -> list[str]:
+@dataclass(frozen=True)
+class Variant:
+    """A server arrangement: its tensor parallel size, and the host tier's
+    `async_load_tokens` (None: the default)."""
+
+    tp: int
+    async_load_tokens: int | None = None
+
+
+# tp1-async: every host hit of a block or more, while another request runs, loads
+# across steps.
+VARIANTS = {
+    "tp1": Variant(1),
+    "tp2": Variant(2),
+    "tp1-async": Variant(1, async_load_tokens=BLOCK_SIZE),
+}
+
+
+def server_flags(
+    tp: int, offload: bool, async_load_tokens: int | None = None
+) -> list[str]:
     flags = [
         "--dtype", "float32",
         "--block-size", str(BLOCK_SIZE),
@@ -69,6 +93,18 @@ def server_flags(tp: int, offload: bool) -> list[str]:
     ]  # fmt: skip
     if offload:
         flags += ["--enable-cpu-offload", "--swap-space", "1"]
+    if offload and async_load_tokens is not None:
+        extra = {"async_load_tokens": async_load_tokens}
+        flags += [
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": "CPUOffloadConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra,
+                }
+            ),
+        ]
     return flags
 
 
@@ -244,8 +280,13 @@ class BaselineRun:
 
 
 @pytest.fixture(scope="module")
-def tp(request: pytest.FixtureRequest) -> int:
-    return int(request.param)
+def variant(request: pytest.FixtureRequest) -> Variant:
+    return VARIANTS[request.param]
+
+
+@pytest.fixture(scope="module")
+def tp(variant: Variant) -> int:
+    return variant.tp
 
 
 @pytest.fixture(scope="module")
@@ -265,22 +306,25 @@ def baseline(tp: int, tiny_model: str, workload: Workload) -> BaselineRun:
 
 
 @pytest.fixture(scope="module")
-def offload_server(tp: int, tiny_model: str) -> Iterator[RunningServer]:
-    with running_server(
-        tiny_model, server_flags(tp, offload=True), server_env(tp)
-    ) as server:
+def offload_server(variant: Variant, tiny_model: str) -> Iterator[RunningServer]:
+    flags = server_flags(variant.tp, True, variant.async_load_tokens)
+    with running_server(tiny_model, flags, server_env(variant.tp)) as server:
         yield server
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"], indirect=True)
+@pytest.mark.parametrize("variant", list(VARIANTS), indirect=True)
 def test_concurrent_conversations_answer_as_without_offload(
-    tp: int, baseline: BaselineRun, offload_server: RunningServer, workload: Workload
+    variant: Variant,
+    tp: int,
+    baseline: BaselineRun,
+    offload_server: RunningServer,
+    workload: Workload,
 ) -> None:
     # Scenario: 12 concurrent 4-turn conversations over 3 shared documents, a device
     # cache of 24 blocks, streams closed after two chunks and requests abandoned by the
     # client after a delay. With the host tier every completed answer equals the one
     # without it, the re-reads came from host memory, no transfer failed, and the server
-    # is idle and answers afterwards.
+    # is idle and answers afterwards. With tp1-async, host hits load across steps.
     assert baseline.offload_metrics == {}, "the plugin must be inert without the flag"
     expected = baseline.result
     assert len(expected.answers) == CONVERSATIONS * TURNS
@@ -317,6 +361,9 @@ def test_concurrent_conversations_answer_as_without_offload(
     assert after[OFFLOAD + "loaded_blocks_total"] > 0, after
     assert after[OFFLOAD + "stored_blocks_total"] > 0, after
     assert 0 < after[OFFLOAD + "host_usage_perc"] <= 1, after
+    # The default threshold is above any hit of this workload (a document is 8 blocks).
+    across_steps = after[OFFLOAD + "async_hit_tokens_total"]
+    assert (across_steps > 0) == (variant.async_load_tokens is not None), after
     assert finished_with(offload_server.url, "error") == 0  # e.g. a KV load that failed
     assert finished_with(offload_server.url, "length") >= CONVERSATIONS * TURNS
 
@@ -366,9 +413,9 @@ def test_concurrent_conversations_answer_as_without_offload(
     assert "Traceback" not in offload_server.log_text()
 
 
-@pytest.mark.parametrize("tp", [1], ids=["tp1"], indirect=True)
+@pytest.mark.parametrize("variant", ["tp1"], indirect=True)
 def test_cache_salt_keeps_tenants_apart_in_host_tier(
-    tp: int, offload_server: RunningServer
+    variant: Variant, offload_server: RunningServer
 ) -> None:
     # Scenario: tenant A sends a prompt of six blocks, other traffic flushes it from the
     # device cache, tenant B sends the same prompt with its own cache_salt: nothing is

@@ -217,6 +217,7 @@ def test_a_host_hit_of_async_load_tokens_or_more_loads_across_steps(k: int) -> N
     engine.tier.update_connector_output(done)
     assert engine.tier.pool.num_pinned == 0
     assert engine.tier.stats.hit_tokens == 2 * BS
+    assert engine.tier.stats.async_hit_tokens == 2 * BS
     assert engine.tier.stats.remote_hit_tokens == 0
 
 

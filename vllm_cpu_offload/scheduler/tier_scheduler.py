@@ -448,6 +448,7 @@ class HostTierScheduler:
         host_tokens = min(fetched_from * self.block_size, num_external_tokens)
         loaded_tokens = min(len(device_ids) * self.block_size, num_external_tokens)
         self.stats.hit_tokens += host_tokens
+        self.stats.async_hit_tokens += host_tokens
         self.stats.remote_hit_tokens += loaded_tokens - host_tokens
         self.stats.loaded_blocks += len(device_ids)
 

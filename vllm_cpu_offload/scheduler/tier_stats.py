@@ -19,6 +19,9 @@ class TierStats:
     failed_loads: int = 0
     failed_stores: int = 0
     preempted_requests: int = 0
+    # Of hit_tokens, those loaded across steps (`async_load_tokens`, and the host part
+    # of a shared-store hit).
+    async_hit_tokens: int = 0
     # With a shared store: tokens past the host hit asked of it, tokens it served,
     # blocks fetched into host memory and blocks that did not arrive.
     remote_lookup_tokens: int = 0
