@@ -258,7 +258,7 @@ class HostTierScheduler:
         state.async_host = (
             state.remote_hit is None
             and 0 < self.async_load_tokens <= tokens
-            and bool(self._last_scheduled - {request.request_id})
+            and len(self._last_scheduled) > (request.request_id in self._last_scheduled)
         )
         return tokens
 
