@@ -48,31 +48,31 @@ def to_kv_events(
 
     One event per KV cache group (and, for stores, per run of consecutive blocks).
     """
-    for event in events:
-        if event.kind == "stored" and event.detail is not None:
-            for run in cast(Sequence[StoredBlocks], event.detail):
-                yield _stored(run, block_size, MEDIUM_CPU, None)
-        else:
-            yield from _named_only(
-                event.kind == "stored", event.keys, block_size, MEDIUM_CPU, None
-            )
+    return _kv_events(events, block_size, MEDIUM_CPU, None)
 
 
 def remote_kv_events(
     events: Iterable[RemoteTierEvent], block_size: int
 ) -> Iterator[KVCacheEvent]:
     """The vLLM KV events for the shared store's events, in order."""
+    return _kv_events(events, block_size, MEDIUM_STORAGE, LOCALITY_REMOTE)
+
+
+def _kv_events(
+    events: Iterable[PoolEvent | RemoteTierEvent],
+    block_size: int,
+    medium: str,
+    locality: str | None,
+) -> Iterator[KVCacheEvent]:
+    """A tier's events: "stored" ones as `BlockStored` (with their record when there
+    is one), any other kind as `BlockRemoved`."""
     for event in events:
         if event.kind == "stored" and event.detail is not None:
-            for run in event.detail:
-                yield _stored(run, block_size, MEDIUM_STORAGE, LOCALITY_REMOTE)
+            for run in cast(Sequence[StoredBlocks], event.detail):
+                yield _stored(run, block_size, medium, locality)
         else:
             yield from _named_only(
-                event.kind == "stored",
-                event.keys,
-                block_size,
-                MEDIUM_STORAGE,
-                LOCALITY_REMOTE,
+                event.kind == "stored", event.keys, block_size, medium, locality
             )
 
 

@@ -393,9 +393,9 @@ class HostTierScheduler:
         k = self.blocks_per_host_block
         first = state.lookup[0]
         end = first + -(-num_external_tokens // self.block_size)
-        remote_end = -(-end // k)
-        remote_start = remote_end if state.remote_hit is None else state.remote_hit[0]
-        remote_end = max(remote_start, remote_end)
+        end_hb = -(-end // k)  # the host block after the hit's last one
+        remote_start = end_hb if state.remote_hit is None else state.remote_hit[0]
+        remote_end = max(remote_start, end_hb)
         # The host part: blocks [first, remote_start * k), pinned as for a sync load.
         host_keys = self._keys(0, hashes, first // k, remote_start)
         device_ids: list[int] = []
