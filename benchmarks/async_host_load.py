@@ -26,13 +26,14 @@ import random
 import statistics
 import time
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 from benchmarks.engine_runs import (
+    FIGURES,
     add_document_arguments,
     document_argv,
     document_engine,
+    documents,
     ms,
     print_result,
     read_documents,
@@ -43,7 +44,6 @@ from benchmarks.engine_runs import (
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 ARMS = {"sync": 0, "async": 1}  # arm -> async_load_tokens
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "figures"
 OMP_BIND = "1"  # the model on one core in both arms
 DECODE_PROMPT_TOKENS = 64
 DECODE_TOKENS = 48
@@ -66,8 +66,8 @@ def engine_run(args: argparse.Namespace) -> None:
         },
     )
     llm = document_engine(args.doc_tokens, kv_transfer_config=config)
-    rng = random.Random(11)
-    docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
+    rng = random.Random(11)  # the documents', then the decoding requests' prompts
+    docs = documents(args, rng)
     read_documents(llm, docs, 1)
     engine = llm.llm_engine
     greedy: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True}
@@ -168,9 +168,9 @@ def main() -> None:
             f"async / sync {key}: {statistics.median(ratios):.2f}x "
             f"({min(ratios):.2f}-{max(ratios):.2f}), per repetition"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    FIGURES.mkdir(parents=True, exist_ok=True)
     name = f"async_host_load_{args.doc_tokens}_tokens_cpu.json"
-    (RESULTS / name).write_text(json.dumps(summary, indent=2) + "\n")
+    (FIGURES / name).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+FIGURES = REPO / "docs" / "figures"  # where the document benchmarks write their JSON
 BLOCK_SIZE = 32
 
 
@@ -39,6 +41,17 @@ def document_argv(args: argparse.Namespace, arm: str, store: str) -> list[str]:
         "--docs", str(args.docs), "--doc-tokens", str(args.doc_tokens),
         "--max-tokens", str(args.max_tokens),
     ]  # fmt: skip
+
+
+def documents(
+    args: argparse.Namespace, rng: random.Random | None = None
+) -> list[list[int]]:
+    """`args.docs` documents of `args.doc_tokens` random token ids, drawn from `rng`
+    (default: seed 11), so that every process of a run reads the same ones."""
+    from vllm_cpu_offload.testing.tiny_model import random_token_ids
+
+    rng = rng if rng is not None else random.Random(11)
+    return [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
 
 
 def document_engine(doc_tokens: int, **engine_args: Any) -> Any:

@@ -28,10 +28,12 @@ import sys
 from typing import IO, Any
 
 from benchmarks.engine_runs import (
+    FIGURES,
     REPO,
     add_document_arguments,
     document_argv,
     document_engine,
+    documents,
     ms,
     print_result,
     read_documents,
@@ -39,13 +41,10 @@ from benchmarks.engine_runs import (
 )
 
 ARMS = ("shared", "alone")
-RESULTS = REPO / "docs" / "figures"
 
 
 def engine_serve(args: argparse.Namespace) -> None:
     """One engine of the fleet: reads the document named on each stdin line."""
-    from benchmarks.shared_tier import documents
-
     remote = {"swap_space_remote": args.store} if args.arm == "shared" else {}
     llm = document_engine(
         args.doc_tokens, enable_cpu_offload=True, swap_space=1, **remote
@@ -169,8 +168,8 @@ def main() -> None:
         f"shared re-read round {statistics.median(ratios):.2f}x faster than alone "
         f"({min(ratios):.2f}-{max(ratios):.2f}), per repetition"
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "fleet_cpu.json").write_text(json.dumps(summary, indent=2) + "\n")
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    (FIGURES / "fleet_cpu.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engine_runs import (
+    FIGURES,
     document_engine,
+    documents,
     print_result,
     read_documents,
     run_engine_process,
@@ -38,8 +40,6 @@ from benchmarks.engine_runs import (
 )
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "figures"
 
 
 def startup_components(path: Path, gib: float, block_bytes: int) -> dict[str, float]:
@@ -97,8 +97,6 @@ def startup_components(path: Path, gib: float, block_bytes: int) -> dict[str, fl
 
 def engine_run(args: argparse.Namespace) -> None:
     """One engine process: reads every document once; prints init time and TTFTs."""
-    from vllm_cpu_offload.testing.tiny_model import random_token_ids
-
     start = time.perf_counter()
     llm = document_engine(
         args.doc_tokens,
@@ -107,8 +105,7 @@ def engine_run(args: argparse.Namespace) -> None:
         swap_space_path=args.tier,
     )
     init_s = time.perf_counter() - start
-    rng = random.Random(7)
-    docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
+    docs = documents(args, random.Random(7))
     reads = read_documents(llm, docs, args.max_tokens)
     print_result({"init_s": init_s, "reads": reads})
     llm.llm_engine.engine_core.shutdown()
@@ -193,8 +190,8 @@ def main() -> None:
         f"first read after a restart {statistics.median(ratios):.2f}x faster "
         f"({min(ratios):.2f}-{max(ratios):.2f}); greedy outputs equal: {exact}"
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "restart_tier_cpu.json").write_text(json.dumps(summary, indent=2) + "\n")
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    (FIGURES / "restart_tier_cpu.json").write_text(json.dumps(summary, indent=2) + "\n")
     shutil.rmtree(root, ignore_errors=True)
 
 

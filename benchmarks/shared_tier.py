@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -48,9 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engine_runs import (
+    FIGURES,
     add_document_arguments,
     document_argv,
     document_engine,
+    documents,
     ms,
     print_result,
     read_documents,
@@ -65,7 +66,6 @@ ARMS = ("ours", "vllm", "multi", "cold", "host", "off", "host-hit")
 # Arms whose engine B reads without an engine A before it.
 WITHOUT_A = ("cold", "host-hit")
 SCENARIOS = ("first-read", "node-killed", "no-reuse")
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "figures"
 # One OpenMP thread on the same core in every arm: vLLM's CPU executor would otherwise
 # reserve a core for other connectors and not for ours.
 OMP_BIND = "1"
@@ -105,13 +105,6 @@ def connector_kwargs(arm: str, store_url: str) -> dict[str, Any]:
             **config, kv_load_failure_policy="recompute"
         )
     }
-
-
-def documents(args: argparse.Namespace) -> list[list[int]]:
-    from vllm_cpu_offload.testing.tiny_model import random_token_ids
-
-    rng = random.Random(11)
-    return [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
 
 
 def engine_run(args: argparse.Namespace) -> None:
@@ -253,10 +246,10 @@ def main() -> None:
             f"ours {statistics.median(ratios):.2f}x as fast as {arm} "
             f"({min(ratios):.2f}-{max(ratios):.2f}), per repetition"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    FIGURES.mkdir(parents=True, exist_ok=True)
     length = "" if args.doc_tokens == 4000 else f"_{args.doc_tokens}_tokens"
     name = f"shared_tier_{args.scenario.replace('-', '_')}{length}_cpu.json"
-    (RESULTS / name).write_text(json.dumps(summary, indent=2) + "\n")
+    (FIGURES / name).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":
