@@ -236,6 +236,49 @@ def test_prefix_aware_turns_doorkeeper_and_admits_on_second_sight() -> None:
     assert pool.count_hits(["new0", "new1"]) == 2
 
 
+def _document_loop(pool: HostBlockPool, docs: int, blocks: int, passes: int) -> int:
+    """Reads `docs` chains of `blocks` keys in the same order `passes` times, storing
+    what misses; returns the hits of the last pass."""
+    hits = 0
+    for _ in range(passes):
+        hits = 0
+        for doc in range(docs):
+            keys = [f"doc{doc}.{i}" for i in range(blocks)]
+            hit = pool.count_hits(keys)
+            hits += hit
+            store(pool, keys[hit:], keys[hit - 1] if hit else None)
+    return hits
+
+
+def test_prefix_aware_keeps_part_of_a_loop_larger_than_the_pool() -> None:
+    # 8 documents of 16 blocks read in a loop through a pool of 64 blocks: LRU evicts
+    # each document just before its next read; keeping what the pool holds serves
+    # about half of every pass.
+    assert _document_loop(HostBlockPool(64, LRUPolicy(64)), 8, 16, passes=6) == 0
+    policy = PrefixAwarePolicy(64)
+    hits = _document_loop(HostBlockPool(64, policy), 8, 16, passes=6)
+    assert policy.keeping and not policy.doorkeeper
+    assert hits >= 3 * 16
+
+
+def test_prefix_aware_keeping_lets_in_one_refused_key_in_keep_every() -> None:
+    # While keeping, new keys are refused, but every keep_every-th refusal earns one
+    # key its way in (bimodal insertion), so the pool still follows a changed workload.
+    policy = PrefixAwarePolicy(64, keep_every=4)
+    pool = HostBlockPool(64, policy)
+    _document_loop(pool, 8, 16, passes=6)
+    assert policy.keeping
+    admitted = [i for i in range(20) if store(pool, [f"new{i}"])]
+    # The first may use credit left from the loop; from then on, one in five.
+    assert len(admitted) >= 3
+    assert all(b - a == 5 for a, b in zip(admitted, admitted[1:], strict=False))
+
+
+def test_prefix_aware_rejects_a_bad_keep_every() -> None:
+    with pytest.raises(ValueError, match="keep_every must be >= 1"):
+        PrefixAwarePolicy(64, keep_every=0)
+
+
 def test_admission_duel_prefers_admit_all_on_a_small_working_set() -> None:
     # Keys that fit in the pool: admitting everything hits at least as often.
     duel = AdmissionDuel(num_blocks=64, history_factor=4.0, shadow_blocks=64)

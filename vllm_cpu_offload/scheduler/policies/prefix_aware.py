@@ -10,18 +10,23 @@ block is reused at least as often as any of its descendants. So:
    the head of its list it is parked (unlisted) until its last child leaves, then goes
    back to the head, since it was older than everything listed. Evicting only leaves
    never creates orphans.
-3. Two modes, chosen online. The pool is either *admitting* (every new key may evict:
-   the least recent leaf goes, as in LRU) or *guarding*: a key seen for the first time
-   while the pool is full is refused and only remembered, so it gets in on its second
-   sight (a doorkeeper), and victims come from a probation segment first: blocks used
-   again while held sit in a protected segment of at most `protected_fraction` of the
-   pool. Guarding keeps a thrashing pool from trading blocks that will be reused for
-   blocks seen once (the last turn of a conversation, one-off documents); admitting is
-   better once the pool spans most reuse distances. Which one wins depends on the pool
-   size against the workload, so the policy measures both: two small shadow LRU caches,
-   one per rule, replay a hash sample of the keys (spatial sampling, as in SHARDS), and
-   the pool guards while the doorkeeper's shadow hits more, by more than sampling noise
-   (set dueling, as in DIP).
+3. Three modes, chosen online. The pool is *admitting* (every new key may evict: the
+   least recent leaf goes, as in LRU), *guarding* (a key seen for the first time while
+   the pool is full is refused and only remembered, so it gets in on its second sight,
+   a doorkeeper; victims come from a probation segment first: blocks used again while
+   held sit in a protected segment of at most `protected_fraction` of the pool), or
+   *keeping* (while the pool is full, only one refused key in `keep_every` gets in,
+   whether seen before or not, evicting in LRU order: bimodal insertion, as in DIP).
+   Guarding keeps a thrashing pool from trading blocks that will be reused for blocks
+   seen once (the last turn of a conversation, one-off documents). Keeping protects
+   what the pool holds from a loop or a stream of re-reads larger than the pool, where
+   every newcomer has been seen before and the doorkeeper lets it in: a pool that churns
+   through a loop hits almost nothing, a pool that keeps part of it hits that part on
+   every pass. Admitting is best once the pool spans most reuse distances. Which one
+   wins depends on the pool size against the workload, so the policy measures all
+   three: a small shadow LRU cache per rule replays a hash sample of the keys (spatial
+   sampling, as in SHARDS), and the pool guards or keeps while that rule's shadow hits
+   more than admit-all's, by more than sampling noise (set dueling, as in DIP).
 4. History. Keys that left (or were refused) are remembered, `history_factor` times as
    many as the pool holds. A remembered key that is stored again has proven a reuse:
    it is admitted even while guarding, and starts protected.
@@ -42,9 +47,14 @@ from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
 _PROBATION = 0
 _PROTECTED = 1
 
+# The admission modes (`AdmissionDuel.mode`).
+ADMITTING = 0
+GUARDING = 1
+KEEPING = 2
+
 
 class PrefixAwarePolicy(EvictionPolicy):
-    """Leaf-first, orphan-first LRU with an adaptive doorkeeper; see the module
+    """Leaf-first, orphan-first LRU with adaptive admission; see the module
     docstring."""
 
     name = "prefix_aware"
@@ -55,6 +65,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         protected_fraction: float = 0.65,
         history_factor: float = 4.0,
         shadow_blocks: int = 1024,
+        keep_every: int = 32,
     ) -> None:
         super().__init__(num_blocks)
         self._clock = 0  # recency stamps: a counter, never wall-clock time
@@ -76,21 +87,38 @@ class PrefixAwarePolicy(EvictionPolicy):
         # was never evicted.
         self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(num_blocks * history_factor))
-        self._duel = AdmissionDuel(num_blocks, history_factor, shadow_blocks)
+        if keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1, got {keep_every}")
+        self._keep_every = keep_every
+        # Keys refused while keeping, less `keep_every` per key let in.
+        self._keep_credit = 0
+        self._duel = AdmissionDuel(
+            num_blocks, history_factor, shadow_blocks, keep_every
+        )
 
     # ----- hooks -----
 
     def admit(self, key: BlockKey) -> bool:
-        if not self._duel.doorkeeper:
+        mode = self._duel.mode
+        if mode == ADMITTING:
             return True
         h = hash(key)
-        if h in self._history:
+        if mode == GUARDING:
+            if h in self._history:
+                return True
+        elif self._keep_credit >= self._keep_every:
+            self._keep_credit -= self._keep_every
             return True
+        else:
+            self._keep_credit += 1
         self._duel.observe(h)
-        self._remember(h)
+        if h not in self._history:
+            self._remember(h)
         return False
 
     def on_declined(self, key: BlockKey) -> None:
+        if self._duel.mode == KEEPING:
+            self._keep_credit += 1
         h = hash(key)
         self._duel.observe(h)
         if h not in self._history:
@@ -230,9 +258,9 @@ class PrefixAwarePolicy(EvictionPolicy):
             victim = self._head_leaf(self._probation)
             oldest_protected = self._head_leaf(self._protected)
             if victim is None or (
-                # Admitting everything: segments off, the least recent leaf goes (LRU).
+                # Admitting or keeping: segments off, the least recent leaf goes (LRU).
                 oldest_protected is not None
-                and not self._duel.doorkeeper
+                and self._duel.mode != GUARDING
                 and oldest_protected.stamp < victim.stamp
             ):
                 victim = oldest_protected
@@ -252,15 +280,23 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     def reset(self) -> None:
         self._history.clear()
+        self._keep_credit = 0
         self._duel = AdmissionDuel(
-            self.num_blocks, self._history_factor, self._duel.shadow_blocks
+            self.num_blocks,
+            self._history_factor,
+            self._duel.shadow_blocks,
+            self._keep_every,
         )
 
     @property
     def doorkeeper(self) -> bool:
-        """Whether first-sight keys are refused while the pool is full (for
-        metrics/tests)."""
-        return self._duel.doorkeeper
+        """Whether first-sight keys are refused while the pool is full (guarding)."""
+        return self._duel.mode == GUARDING
+
+    @property
+    def keeping(self) -> bool:
+        """Whether the pool keeps what it holds, letting in one key in `keep_every`."""
+        return self._duel.mode == KEEPING
 
     # ----- internals -----
 
@@ -305,33 +341,39 @@ class PrefixAwarePolicy(EvictionPolicy):
 
 
 class AdmissionDuel:
-    """Chooses admit-all or doorkeeper by replaying a key sample through one shadow of
-    each.
+    """Chooses admitting, guarding or keeping by replaying a key sample through one
+    shadow of each.
 
     Keys whose hash is divisible by `modulus` (a power of two) are sampled; each shadow
     is an LRU cache of key hashes of num_blocks / modulus entries, so it sees the pool's
     workload at the pool's scale. Hit counts are halved every 8 shadow-capacities of
     sampled uses, so the choice follows phases of the workload. O(1) per use.
 
-    `doorkeeper` is True while the doorkeeper's shadow hits more, by more than sampling
-    noise: hit counts are roughly Poisson, so the difference must exceed two standard
-    deviations (2 * sqrt(sum)) before the pool starts refusing keys. It is a plain
-    attribute, updated when the hit counts change, because the pool reads it at every
-    admission and eviction.
+    `mode` is GUARDING or KEEPING while that rule's shadow hits more than admit-all's
+    (and than the other rule's), by more than sampling noise: hit counts are roughly
+    Poisson, so the difference must exceed two standard deviations (2 * sqrt(sum))
+    before the pool starts refusing keys; ADMITTING otherwise. It is a plain attribute,
+    updated when the hit counts change, because the pool reads it at every admission
+    and eviction.
     """
 
     __slots__ = (
         "shadow_blocks",
         "modulus",
-        "doorkeeper",
+        "mode",
         "_admit_all",
         "_door",
+        "_keep",
         "_uses",
         "_half_life",
     )
 
     def __init__(
-        self, num_blocks: int, history_factor: float, shadow_blocks: int
+        self,
+        num_blocks: int,
+        history_factor: float,
+        shadow_blocks: int,
+        keep_every: int = 32,
     ) -> None:
         if shadow_blocks < 1:
             raise ValueError(f"shadow_blocks must be >= 1, got {shadow_blocks}")
@@ -341,11 +383,16 @@ class AdmissionDuel:
             modulus *= 2
         self.modulus = modulus
         capacity = max(1, num_blocks // modulus)
-        self._admit_all = _ShadowCache(capacity, history_factor, doorkeeper=False)
-        self._door = _ShadowCache(capacity, history_factor, doorkeeper=True)
+        self._admit_all = _ShadowCache(capacity, history_factor, ADMITTING, keep_every)
+        self._door = _ShadowCache(capacity, history_factor, GUARDING, keep_every)
+        self._keep = _ShadowCache(capacity, history_factor, KEEPING, keep_every)
         self._uses = 0
         self._half_life = 8 * capacity
-        self.doorkeeper = False
+        self.mode = ADMITTING
+
+    @property
+    def doorkeeper(self) -> bool:
+        return self.mode == GUARDING
 
     def observe(self, key_hash: int) -> bool:
         """Feeds a use of the key with this hash to the shadows if it is sampled.
@@ -358,27 +405,49 @@ class AdmissionDuel:
         return True
 
     def use(self, key_hash: int) -> None:
-        """Feeds a use of a key known to be sampled (by its hash) to both shadows."""
-        self._admit_all.use(key_hash)
-        self._door.use(key_hash)
+        """Feeds a use of a key known to be sampled (by its hash) to every shadow."""
+        admit_all, door, keep = self._admit_all, self._door, self._keep
+        admit_all.use(key_hash)
+        door.use(key_hash)
+        keep.use(key_hash)
         self._uses += 1
         if self._uses % self._half_life == 0:
-            self._admit_all.hits /= 2
-            self._door.hits /= 2
-        door, admit_all = self._door.hits, self._admit_all.hits
-        self.doorkeeper = door - admit_all > 2.0 * math.sqrt(door + admit_all)
+            admit_all.hits /= 2
+            door.hits /= 2
+            keep.hits /= 2
+        rule = GUARDING if door.hits >= keep.hits else KEEPING
+        best = max(door.hits, keep.hits)
+        lead = best - admit_all.hits
+        if lead > 2.0 * math.sqrt(best + admit_all.hits):
+            self.mode = rule
+        else:
+            self.mode = ADMITTING
 
 
 class _ShadowCache:
-    """A key-only LRU cache that counts its hits; refuses first-sight keys if
-    `doorkeeper`."""
+    """A key-only LRU cache that counts its hits, under one admission `mode`: once
+    full, GUARDING refuses first-sight keys and KEEPING lets in one refused key in
+    `keep_every`."""
 
-    __slots__ = ("capacity", "hits", "_doorkeeper", "_keys", "_history", "_history_cap")
+    __slots__ = (
+        "capacity",
+        "hits",
+        "_mode",
+        "_keep_every",
+        "_keep_credit",
+        "_keys",
+        "_history",
+        "_history_cap",
+    )
 
-    def __init__(self, capacity: int, history_factor: float, doorkeeper: bool) -> None:
+    def __init__(
+        self, capacity: int, history_factor: float, mode: int, keep_every: int
+    ) -> None:
         self.capacity = capacity
         self.hits = 0.0
-        self._doorkeeper = doorkeeper
+        self._mode = mode
+        self._keep_every = keep_every
+        self._keep_credit = 0
         self._keys: OrderedDict[int, None] = OrderedDict()
         self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(capacity * history_factor))
@@ -390,9 +459,14 @@ class _ShadowCache:
             self.hits += 1
             return
         full = len(keys) >= self.capacity
-        if full and self._doorkeeper and key not in self._history:
+        if full and self._mode == GUARDING and key not in self._history:
             self._remember(key)
             return
+        if full and self._mode == KEEPING:
+            if self._keep_credit < self._keep_every:
+                self._keep_credit += 1
+                return
+            self._keep_credit -= self._keep_every
         self._history.pop(key, None)
         keys[key] = None
         if full:
