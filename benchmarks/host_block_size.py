@@ -59,7 +59,7 @@ class UnitTier:
             loaded = units[first_unit : first_unit + n]
             pool.pin(loaded)
             pool.unpin(loaded)
-        pool.touch(units[: gpu_hits // k])
+        pool.touch(units[: gpu_hits // k], by_device=True)
         allocated = pool.allocate_for_store(units, None)
         pool.complete_store([key for key, _ in allocated], True)
         self.seconds += time.perf_counter() - start

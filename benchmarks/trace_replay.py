@@ -103,7 +103,7 @@ class OurTier:
             loaded = after[:h]
             pool.pin(loaded)
             pool.unpin(loaded)
-        pool.touch(keys[:gpu_hits])
+        pool.touch(keys[:gpu_hits], by_device=True)
         allocated = pool.allocate_for_store(keys, None)
         pool.complete_store([key for key, _ in allocated], True)
         return h

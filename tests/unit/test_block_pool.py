@@ -77,12 +77,14 @@ def test_count_hits_is_a_use(policy: str) -> None:
     assert "a" in pool and "b" not in pool
 
 
-def test_touch_is_a_use_and_ignores_missing_keys(policy: str) -> None:
-    # touch() refreshes held blocks (GPU hits) and skips keys the pool lacks.
+@pytest.mark.parametrize("by_device", [False, True])
+def test_touch_is_a_use_and_ignores_missing_keys(policy: str, by_device: bool) -> None:
+    # touch() refreshes held blocks (a multi-group hit, or device hits) and skips
+    # keys the pool lacks.
     pool = make_pool(policy, 2)
     store(pool, ["a"])
     store(pool, ["b"])
-    pool.touch(["zz", "a"])
+    pool.touch(["zz", "a"], by_device=by_device)
     store(pool, ["c"])
     assert "a" in pool and "b" not in pool
 

@@ -279,6 +279,22 @@ def test_prefix_aware_rejects_a_bad_keep_every() -> None:
         PrefixAwarePolicy(64, keep_every=0)
 
 
+def test_prefix_aware_device_hits_move_recency_but_are_no_shadow_hits() -> None:
+    # The shadows rank the admission rules by what the host tier serves: a block the
+    # device cache served is kept warm, but is not a hit for any rule.
+    policy = PrefixAwarePolicy(4)
+    pool = HostBlockPool(4, policy)
+    for key in "abcd":
+        store(pool, [key])
+    shadow = policy._duel._admit_all
+    hits = shadow.hits
+    pool.touch(["a"], by_device=True)
+    assert shadow.hits == hits
+    assert pool.count_hits(["b"]) == 1 and shadow.hits == hits + 1
+    store(pool, ["e"])  # evicts the least recent: c, since a and b were used
+    assert "a" in pool and "b" in pool and "c" not in pool
+
+
 def test_admission_duel_prefers_admit_all_on_a_small_working_set() -> None:
     # Keys that fit in the pool: admitting everything hits at least as often.
     duel = AdmissionDuel(num_blocks=64, history_factor=4.0, shadow_blocks=64)

@@ -154,6 +154,26 @@ def test_lookup_starts_after_the_device_hit_and_leaves_one_token() -> None:
     assert engine.tier.get_num_new_matched_tokens(longer, BS) == BS
 
 
+def test_device_hits_reach_the_policy_as_device_hits() -> None:
+    # The host copies of the blocks the device cache hit are touched, and the policy
+    # hears that the device served them, not the host.
+    engine = Engine()
+    engine.report(_prefill(engine, _request("a", list(range(10)))).stores[0].job_id)
+    policy = engine.tier.pool.policy
+    heard: list[tuple[str, list[Any]]] = []
+    policy.on_device_hit = lambda blocks: heard.append(  # type: ignore[method-assign]
+        ("device", [block.key for block in blocks])
+    )
+    policy.on_access = lambda blocks: heard.append(  # type: ignore[method-assign]
+        ("host", [block.key for block in blocks])
+    )
+    twin = _request("b", list(range(10)))
+    assert engine.tier.get_num_new_matched_tokens(twin, BS) == BS
+    assert heard == [("host", [_key(twin, 1)])]
+    engine.tier.update_state_after_alloc(twin, [[]], 0)
+    assert heard[1:] == [("device", [_key(twin, 0)])]
+
+
 def test_a_hit_one_token_short_of_the_prompt_loads_its_last_block() -> None:
     # vLLM computes the prompt's last token again (writing the same KV over the
     # loaded one); the block holding it is loaded whole and never stored again.

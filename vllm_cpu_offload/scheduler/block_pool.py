@@ -133,10 +133,12 @@ class HostBlockPool:
             self.policy.on_access(hits)
         return len(hits)
 
-    def touch(self, keys: Sequence[BlockKey]) -> None:
-        """Marks the READY blocks among `keys` as used (e.g. blocks the GPU cache hit).
+    def touch(self, keys: Sequence[BlockKey], *, by_device: bool = False) -> None:
+        """Marks the READY blocks among `keys` as used.
 
-        Keys that are missing or STORING are ignored. Deepest first, as in `count_hits`.
+        `by_device`: the device cache hit them, so their host copies were not read
+        (the policy hears `on_device_hit`, not `on_access`). Keys that are missing or
+        STORING are ignored. Deepest first, as in `count_hits`.
         """
         get = self._by_key.get
         ready = BlockState.READY
@@ -146,7 +148,10 @@ class HostBlockPool:
             if (block := get(key)) and block.state is ready
         ]
         if used:
-            self.policy.on_access(used)
+            if by_device:
+                self.policy.on_device_hit(used)
+            else:
+                self.policy.on_access(used)
 
     def pin(self, keys: Sequence[BlockKey]) -> list[int]:
         """Pins READY blocks for a load; returns their host block ids in order.

@@ -336,7 +336,9 @@ class HostTierScheduler:
         if first:
             # Device hits are uses of the host copies too: the policy keeps
             # the chain warm.
-            self.pool.touch(self._needed_keys(hashes, 0, first // k * k))
+            self.pool.touch(
+                self._needed_keys(hashes, 0, first // k * k), by_device=True
+            )
         if num_external_tokens == 0:
             return
         if state.remote_hit is not None or state.async_host:

@@ -275,6 +275,15 @@ class EvictionPolicy(ABC):
         recent.
         """
 
+    def on_device_hit(self, blocks: Sequence[HostBlock]) -> None:
+        """These READY blocks' copies in the device cache were hit, so the host copies
+        were used but not read (deepest first).
+
+        A use, but not one the host tier served: a policy that learns from its own hits
+        may tell them apart. Default: `on_access`.
+        """
+        self.on_access(blocks)
+
     @abstractmethod
     def on_pin(self, block: HostBlock) -> None:
         """The block's pin count went 0 -> 1: it must not be a victim until

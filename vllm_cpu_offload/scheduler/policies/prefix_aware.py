@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
 
@@ -168,11 +168,19 @@ class PrefixAwarePolicy(EvictionPolicy):
         probation.size += added
 
     def on_access(self, blocks: Sequence[HostBlock]) -> None:
-        protected, probation, orphans, duel = (
+        self._used(blocks, self._duel.use)
+
+    def on_device_hit(self, blocks: Sequence[HostBlock]) -> None:
+        # A use for recency, but not a hit for the shadows: they rank the rules by
+        # what the host tier serves, and a block the device cache holds is served
+        # whatever the host holds.
+        self._used(blocks, self._duel.touch)
+
+    def _used(self, blocks: Sequence[HostBlock], feed: Callable[[int], None]) -> None:
+        protected, probation, orphans = (
             self._protected,
             self._probation,
             self._orphans,
-            self._duel,
         )
         root = protected.root
         tail = root.prev
@@ -183,7 +191,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         moved = 0
         for block in blocks:
             if block.in_duel_sample:
-                duel.use(hash(block.key))
+                feed(hash(block.key))
             block.stamp = clock
             owner = block.owner
             if owner is protected or owner is probation:
@@ -406,10 +414,18 @@ class AdmissionDuel:
 
     def use(self, key_hash: int) -> None:
         """Feeds a use of a key known to be sampled (by its hash) to every shadow."""
+        self._feed(key_hash, True)
+
+    def touch(self, key_hash: int) -> None:
+        """Feeds a use of a sampled key that the device cache served: the shadows
+        update their recency (and admit it if they lack it) but count no hit."""
+        self._feed(key_hash, False)
+
+    def _feed(self, key_hash: int, hit: bool) -> None:
         admit_all, door, keep = self._admit_all, self._door, self._keep
-        admit_all.use(key_hash)
-        door.use(key_hash)
-        keep.use(key_hash)
+        admit_all.use(key_hash, hit)
+        door.use(key_hash, hit)
+        keep.use(key_hash, hit)
         self._uses += 1
         if self._uses % self._half_life == 0:
             admit_all.hits /= 2
@@ -452,11 +468,13 @@ class _ShadowCache:
         self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(capacity * history_factor))
 
-    def use(self, key: int) -> None:
+    def use(self, key: int, hit: bool = True) -> None:
+        """A use of `key`; a held key counts as a hit only if `hit`."""
         keys = self._keys
         if key in keys:
             keys.move_to_end(key)
-            self.hits += 1
+            if hit:
+                self.hits += 1
             return
         full = len(keys) >= self.capacity
         if full and self._mode == GUARDING and key not in self._history:
