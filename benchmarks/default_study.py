@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from hit_rate_table import ANCHORS  # noqa: E402
+
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
 from vllm_cpu_offload.scheduler.policies import (  # noqa: E402
     BlockKey,
@@ -46,7 +48,7 @@ from vllm_cpu_offload.scheduler.policies import (  # noqa: E402
 )
 from vllm_cpu_offload.scheduler.policies.lirs import _HIR, _LIR  # noqa: E402
 
-CANDIDATES = ("lru", "arc", "lirs", "s3fifo")
+CANDIDATES = ANCHORS  # the duel follows the anchors
 
 
 class DuelPolicy(EvictionPolicy):
@@ -429,9 +431,6 @@ class BalancedLIRSPolicy(LIRSPolicy):
     def reset(self) -> None:
         super().reset()
         self._demoted.clear()
-
-
-ANCHORS = ("lru", "arc", "lirs", "s3fifo")
 
 
 def shortfalls(paths: list[Path]) -> None:

@@ -50,6 +50,8 @@ RESULTS = REPO / "benchmarks" / "results"
 FIGURES = REPO / "docs" / "figures"
 CAPACITIES = [1000, 2000, 3000, 4000, 6000, 8000, 12000, 16000, 24000, 32000]
 POLICIES = ["lru", "arc", "lirs", "s3fifo", "prefix_aware", "oracle-admit", "belady"]
+# The published policies a default is measured against, cell by cell.
+ANCHORS = ("lru", "arc", "lirs", "s3fifo")
 NO_GAP = 0.002  # a gap under this share of the block uses leaves nothing to close
 
 
@@ -184,23 +186,37 @@ def _reread_cost(requests: list[list[int]], warmup: int, tier: HostTier) -> floa
     return cost
 
 
-def longdoc_speedups(policies: list[str]) -> list[dict]:
-    """PR 11532's loop at its own scale, as a block-level model: documents of 31
-    blocks (1,000 tokens in blocks of 32), device 256 blocks, host 930 (30
+class LongDocumentLoop:
+    """PR 11532's loop at its own scale, as a block-level model: `num_docs` documents
+    of 31 blocks (1,000 tokens in blocks of 32), device 256 blocks, host 930 (30
     documents), warm-up in order, then one re-read in random order. The speed-up is
     the re-read's cost on the device alone over its cost with the host tier."""
+
+    DOCS = (16, 32, 64)
+    HOST_BLOCKS = 930
+
+    def __init__(self, num_docs: int) -> None:
+        self.num_docs = num_docs
+        self.requests = long_document(num_docs, doc_blocks=31, rounds=1).requests
+        self._upcoming = next_uses(self.requests)
+        self._alone = _reread_cost(self.requests, num_docs, OurTier("lru", 0))
+
+    def speedup(self, policy: str) -> float:
+        tier = tier_factory(policy, self._upcoming)(self.HOST_BLOCKS)
+        return self._alone / _reread_cost(self.requests, self.num_docs, tier)
+
+
+def longdoc_speedups(policies: list[str]) -> list[dict]:
+    """`LongDocumentLoop` at 16, 32 and 64 documents for every policy; printed."""
     print("\nlong-document re-read speed-up over the device alone (31-block documents,")
     print("device 256 blocks, host 930, a host hit costs 5% of a computed block)")
     print(f"{'docs':>5} " + "".join(f"{name:>14}" for name in policies))
     rows = []
-    for num_docs in (16, 32, 64):
-        requests = long_document(num_docs, doc_blocks=31, rounds=1).requests
-        upcoming = next_uses(requests)
-        alone = _reread_cost(requests, num_docs, OurTier("lru", 0))
+    for num_docs in LongDocumentLoop.DOCS:
+        loop = LongDocumentLoop(num_docs)
         line = f"{num_docs:>5} "
         for name in policies:
-            cost = _reread_cost(requests, num_docs, tier_factory(name, upcoming)(930))
-            speedup = alone / cost
+            speedup = loop.speedup(name)
             rows.append({"docs": num_docs, "policy": name, "speedup": speedup})
             line += f"{speedup:>13.2f}x"
         print(line)

@@ -23,8 +23,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-ANCHORS = ("lru", "arc", "lirs", "s3fifo")
-
 
 def _cell(args: tuple[str, str, int]) -> dict:
     import hit_rate_table
@@ -43,21 +41,9 @@ def _cell(args: tuple[str, str, int]) -> dict:
     }
 
 
-def _speedups(policy: str) -> list[float]:
-    import hit_rate_table
-    from trace_replay import OurTier
-    from workloads import long_document
-
-    out = []
-    for num_docs in (16, 32, 64):
-        requests = long_document(num_docs, doc_blocks=31, rounds=1).requests
-        alone = hit_rate_table._reread_cost(requests, num_docs, OurTier("lru", 0))
-        cost = hit_rate_table._reread_cost(requests, num_docs, OurTier(policy, 930))
-        out.append(alone / cost)
-    return out
-
-
 def main() -> None:
+    from hit_rate_table import ANCHORS, LongDocumentLoop
+
     parser = argparse.ArgumentParser()
     parser.add_argument("policy")
     parser.add_argument("--workloads", nargs="+", default=None)
@@ -78,7 +64,8 @@ def main() -> None:
     policy = args.policy
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(_cell, [(policy, w, c) for w, c in keys]))
-    print(f"longdoc speedups 16/32/64: {_speedups(policy)}")
+    speedups = [LongDocumentLoop(n).speedup(policy) for n in LongDocumentLoop.DOCS]
+    print(f"longdoc speedups 16/32/64: {speedups}")
     falls, below = [], 0
     for (w, c), row in zip(keys, results, strict=True):
         cell = cells[(w, c)]
