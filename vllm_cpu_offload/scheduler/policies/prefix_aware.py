@@ -90,8 +90,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         if keep_every < 1:
             raise ValueError(f"keep_every must be >= 1, got {keep_every}")
         self._keep_every = keep_every
-        # Keys refused while keeping, less `keep_every` per key let in.
-        self._keep_credit = 0
+        self._keep_credit = KeepCredit(keep_every)
         self._duel = AdmissionDuel(
             num_blocks, history_factor, shadow_blocks, keep_every
         )
@@ -106,11 +105,8 @@ class PrefixAwarePolicy(EvictionPolicy):
         if mode == GUARDING:
             if h in self._history:
                 return True
-        elif self._keep_credit >= self._keep_every:
-            self._keep_credit -= self._keep_every
+        elif self._keep_credit.lets_in():
             return True
-        else:
-            self._keep_credit += 1
         self._duel.observe(h)
         if h not in self._history:
             self._remember(h)
@@ -118,7 +114,7 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     def on_declined(self, key: BlockKey) -> None:
         if self._duel.mode == KEEPING:
-            self._keep_credit += 1
+            self._keep_credit.refused()
         h = hash(key)
         self._duel.observe(h)
         if h not in self._history:
@@ -288,7 +284,7 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     def reset(self) -> None:
         self._history.clear()
-        self._keep_credit = 0
+        self._keep_credit = KeepCredit(self._keep_every)
         self._duel = AdmissionDuel(
             self.num_blocks,
             self._history_factor,
@@ -348,6 +344,30 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._history.popitem(last=False)
 
 
+class KeepCredit:
+    """Keeping's one-in-`keep_every` rule: every refused key adds a credit, and a key is
+    let in when `keep_every` credits are there (they are spent). Counting refusals, not
+    requests, lets a long refused chain pay for the head of a later one."""
+
+    __slots__ = ("_every", "_credit")
+
+    def __init__(self, keep_every: int) -> None:
+        self._every = keep_every
+        self._credit = 0
+
+    def lets_in(self) -> bool:
+        """A key asks to get in: True (spending the credits) or False (refused)."""
+        if self._credit >= self._every:
+            self._credit -= self._every
+            return True
+        self._credit += 1
+        return False
+
+    def refused(self) -> None:
+        """A key was refused without asking (the rest of a refused chain)."""
+        self._credit += 1
+
+
 class AdmissionDuel:
     """Chooses admitting, guarding or keeping by replaying a key sample through one
     shadow of each.
@@ -400,6 +420,7 @@ class AdmissionDuel:
 
     @property
     def doorkeeper(self) -> bool:
+        """Whether the mode is GUARDING."""
         return self.mode == GUARDING
 
     def observe(self, key_hash: int) -> bool:
@@ -449,7 +470,6 @@ class _ShadowCache:
         "capacity",
         "hits",
         "_mode",
-        "_keep_every",
         "_keep_credit",
         "_keys",
         "_history",
@@ -462,8 +482,7 @@ class _ShadowCache:
         self.capacity = capacity
         self.hits = 0.0
         self._mode = mode
-        self._keep_every = keep_every
-        self._keep_credit = 0
+        self._keep_credit = KeepCredit(keep_every)
         self._keys: OrderedDict[int, None] = OrderedDict()
         self._history: OrderedDict[int, None] = OrderedDict()
         self._history_cap = max(1, int(capacity * history_factor))
@@ -480,11 +499,8 @@ class _ShadowCache:
         if full and self._mode == GUARDING and key not in self._history:
             self._remember(key)
             return
-        if full and self._mode == KEEPING:
-            if self._keep_credit < self._keep_every:
-                self._keep_credit += 1
-                return
-            self._keep_credit -= self._keep_every
+        if full and self._mode == KEEPING and not self._keep_credit.lets_in():
+            return
         self._history.pop(key, None)
         keys[key] = None
         if full:
