@@ -11,11 +11,11 @@ block is reused at least as often as any of its descendants. So:
    back to the head, since it was older than everything listed. Evicting only leaves
    never creates orphans.
 3. Three modes, chosen online. The pool is *admitting* (every new key may evict: the
-   least recent leaf goes, as in LRU), *guarding* (a key seen for the first time while
-   the pool is full is refused and only remembered, so it gets in on its second sight,
-   a doorkeeper; victims come from a probation segment first: blocks used again while
-   held sit in a protected segment of at most `protected_fraction` of the pool), or
-   *keeping* (while the pool is full, only one refused key in `keep_every` gets in,
+   least recent leaf goes, as in LRU), *guarding* (a key not recalled from the history
+   is refused while the pool is full and only remembered, so it gets in on its next
+   sight, a doorkeeper; victims come from a probation segment first: blocks used again
+   while held sit in a protected segment of at most `protected_fraction` of the pool),
+   or *keeping* (while the pool is full, only one refused key in `keep_every` gets in,
    whether seen before or not, evicting in LRU order: bimodal insertion, as in DIP).
    Guarding keeps a thrashing pool from trading blocks that will be reused for blocks
    seen once (the last turn of a conversation, one-off documents). Keeping protects
@@ -23,13 +23,16 @@ block is reused at least as often as any of its descendants. So:
    every newcomer has been seen before and the doorkeeper lets it in: a pool that churns
    through a loop hits almost nothing, a pool that keeps part of it hits that part on
    every pass. Admitting is best once the pool spans most reuse distances. Which one
-   wins depends on the pool size against the workload, so the policy measures all
-   three: a small shadow LRU cache per rule replays a hash sample of the keys (spatial
-   sampling, as in SHARDS), and the pool guards or keeps while that rule's shadow hits
-   more than admit-all's, by more than sampling noise (set dueling, as in DIP).
+   wins depends on the pool size against the workload, so the policy measures them: a
+   small shadow LRU cache per rule replays a hash sample of the keys (spatial sampling,
+   as in SHARDS), and the pool follows the rule whose shadow beats admit-all's by the
+   most, if any does by more than sampling noise (set dueling, as in DIP).
 4. History. Keys that left (or were refused) are remembered, `history_factor` times as
-   many as the pool holds. A remembered key that is stored again has proven a reuse:
-   it is admitted even while guarding, and starts protected.
+   many as the pool holds. A key recalled from the history has proven a reuse: it is
+   admitted while guarding, and starts protected. How far back a recall may reach is
+   part of the guarding rule: it is duelled at a quarter, half and all of the history
+   (a long window lets a loop larger than the pool back in on every pass; a short one
+   refuses keys whose reuse the pool cannot hold anyway).
 
 Recency is a monotonic stamp, never wall-clock time. Every hook is O(1); a hook that
 parks blocks does O(1) work per block parked, and each block is parked at most once per
@@ -84,9 +87,15 @@ class PrefixAwarePolicy(EvictionPolicy):
         self._history_factor = history_factor
         # Keyed by hash(key): one hash per insert serves the sample test and this
         # look-up. Two keys with equal 64-bit hashes at worst recall a key that
-        # was never evicted.
-        self._history: OrderedDict[int, None] = OrderedDict()
+        # was never evicted. The value is the epoch the key was remembered in (an
+        # epoch is num_blocks / 16 keys remembered; its number is one int object
+        # that all its keys share), which tells whether it is within the guarding
+        # rule's window.
+        self._history: OrderedDict[int, int] = OrderedDict()
         self._history_cap = max(1, int(num_blocks * history_factor))
+        self._epoch_size = max(1, num_blocks // 16)
+        self._epoch = 0
+        self._epoch_left = self._epoch_size
         if keep_every < 1:
             raise ValueError(f"keep_every must be >= 1, got {keep_every}")
         self._keep_every = keep_every
@@ -103,12 +112,12 @@ class PrefixAwarePolicy(EvictionPolicy):
             return True
         h = hash(key)
         if mode == GUARDING:
-            if h in self._history:
+            if self._recalls(h):
                 return True
         elif self._keep_credit.lets_in():
             return True
         self._duel.observe(h)
-        if h not in self._history:
+        if not self._recalls(h):
             self._remember(h)
         return False
 
@@ -117,14 +126,16 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._keep_credit.refused()
         h = hash(key)
         self._duel.observe(h)
-        if h not in self._history:
+        if not self._recalls(h):
             self._remember(h)
 
     def on_insert(self, blocks: Sequence[HostBlock]) -> None:
         # A free block is in probation with `in_duel_sample` clear: `pop_victim` and
         # `on_remove` see to it.
         history, duel = self._history, self._duel
+        duel.pool_blocks += len(blocks)
         mask = duel.modulus - 1
+        oldest_recalled = self._epoch - duel.window // self._epoch_size
         # one stamp per batch: its blocks came together
         clock = self._clock = self._clock + 1
         recalled = False
@@ -134,9 +145,10 @@ class PrefixAwarePolicy(EvictionPolicy):
             if not h & mask:
                 # Sampled keys feed the shadows, here and at every later use.
                 block.in_duel_sample = True
+                duel.pool_sampled += 1
                 duel.use(h)
-            if h in history:
-                del history[h]
+            epoch = history.pop(h, None)
+            if epoch is not None and epoch > oldest_recalled:
                 block.segment = _PROTECTED
                 self._num_protected += 1
                 recalled = True
@@ -235,6 +247,9 @@ class PrefixAwarePolicy(EvictionPolicy):
         if block.owner is not None:
             block.owner.remove(block)
         self._set_segment(block, _PROBATION)
+        duel = self._duel
+        duel.pool_blocks -= 1
+        duel.pool_sampled -= block.in_duel_sample
         block.in_duel_sample = False
 
     def on_orphaned(self, block: HostBlock) -> None:
@@ -275,9 +290,19 @@ class PrefixAwarePolicy(EvictionPolicy):
         if victim.segment == _PROTECTED:
             victim.segment = _PROBATION
             self._num_protected -= 1
-        victim.in_duel_sample = False
+        duel = self._duel
+        duel.pool_blocks -= 1
+        if victim.in_duel_sample:
+            duel.pool_sampled -= 1
+            victim.in_duel_sample = False
+        # `_remember` inlined: a key the pool held is not in the history (its insert
+        # took it out), so it goes to the end as it is added.
         history = self._history
-        history[hash(victim.key)] = None
+        history[hash(victim.key)] = self._epoch
+        self._epoch_left -= 1
+        if not self._epoch_left:
+            self._epoch += 1
+            self._epoch_left = self._epoch_size
         if len(history) > self._history_cap:
             history.popitem(last=False)
         return victim
@@ -285,12 +310,13 @@ class PrefixAwarePolicy(EvictionPolicy):
     def reset(self) -> None:
         self._history.clear()
         self._keep_credit = KeepCredit(self._keep_every)
+        old = self._duel
         self._duel = AdmissionDuel(
-            self.num_blocks,
-            self._history_factor,
-            self._duel.shadow_blocks,
-            self._keep_every,
+            self.num_blocks, self._history_factor, old.shadow_blocks, self._keep_every
         )
+        # Pinned and storing blocks stay through a reset, sample flags and all.
+        self._duel.pool_blocks = old.pool_blocks
+        self._duel.pool_sampled = old.pool_sampled
 
     @property
     def doorkeeper(self) -> bool:
@@ -338,10 +364,25 @@ class PrefixAwarePolicy(EvictionPolicy):
             else:
                 self._probation.append(demoted)
 
+    def _recalls(self, key_hash: int) -> bool:
+        """Whether the key is remembered within the guarding rule's window."""
+        epoch = self._history.get(key_hash)
+        return (
+            epoch is not None
+            and epoch > self._epoch - self._duel.window // self._epoch_size
+        )
+
     def _remember(self, key_hash: int) -> None:
-        self._history[key_hash] = None
-        if len(self._history) > self._history_cap:
-            self._history.popitem(last=False)
+        history = self._history
+        if key_hash in history:
+            history.move_to_end(key_hash)  # remembered again, outside the window
+        history[key_hash] = self._epoch
+        self._epoch_left -= 1
+        if not self._epoch_left:
+            self._epoch += 1
+            self._epoch_left = self._epoch_size
+        if len(history) > self._history_cap:
+            history.popitem(last=False)
 
 
 class KeepCredit:
@@ -369,30 +410,40 @@ class KeepCredit:
 
 
 class AdmissionDuel:
-    """Chooses admitting, guarding or keeping by replaying a key sample through one
-    shadow of each.
+    """Chooses admitting, guarding (at three history windows) or keeping by replaying a
+    key sample through one shadow of each rule and one of admit-all.
 
     Keys whose hash is divisible by `modulus` (a power of two) are sampled; each shadow
-    is an LRU cache of key hashes of num_blocks / modulus entries, so it sees the pool's
-    workload at the pool's scale. Hit counts are halved every 8 shadow-capacities of
-    sampled uses, so the choice follows phases of the workload. O(1) per use.
+    is an LRU cache of key hashes, sized to hold as many sampled keys as the pool
+    holds: num_blocks / modulus at first, then, once the pool is nine-tenths full, the
+    sampled keys the pool actually holds scaled to a full pool (recounted every
+    shadow-capacity of sampled uses), because a hash sample of a few thousand keys is
+    off by tens of keys and a loop that nearly fits the pool falls on either side of
+    that line. O(1) per use, amortized.
 
-    `mode` is GUARDING or KEEPING while that rule's shadow hits more than admit-all's
-    (and than the other rule's), by more than sampling noise: hit counts are roughly
-    Poisson, so the difference must exceed two standard deviations (2 * sqrt(sum))
-    before the pool starts refusing keys; ADMITTING otherwise. It is a plain attribute,
-    updated when the hit counts change, because the pool reads it at every admission
-    and eviction.
+    Each rule is scored against admit-all on the uses where exactly one of the two
+    shadows hits (a sign test: the uses both hit or both miss say nothing about which
+    is better). A rule qualifies while its wins exceed its losses by more than 1.5
+    standard deviations of their sum; `mode` and `window` are those of the qualified
+    rule with the largest lead, ADMITTING if none qualifies. Counts are halved every 8
+    shadow-capacities of sampled uses, so the choice follows phases of the workload.
+    `mode` and `window` are plain attributes, updated at each use, because the pool
+    reads them at every admission and eviction.
     """
 
     __slots__ = (
         "shadow_blocks",
         "modulus",
         "mode",
+        "window",
+        "pool_blocks",
+        "pool_sampled",
+        "_num_blocks",
         "_admit_all",
-        "_door",
-        "_keep",
+        "_rules",
+        "_longest_window",
         "_uses",
+        "_recount_every",
         "_half_life",
     )
 
@@ -411,12 +462,32 @@ class AdmissionDuel:
             modulus *= 2
         self.modulus = modulus
         capacity = max(1, num_blocks // modulus)
-        self._admit_all = _ShadowCache(capacity, history_factor, ADMITTING, keep_every)
-        self._door = _ShadowCache(capacity, history_factor, GUARDING, keep_every)
-        self._keep = _ShadowCache(capacity, history_factor, KEEPING, keep_every)
+        self._num_blocks = num_blocks
+        self._admit_all = _ShadowCache(capacity, ADMITTING)
+        self._rules = [
+            _Rule(
+                GUARDING,
+                max(1, int(num_blocks * factor)),
+                _ShadowCache(capacity, GUARDING, history_factor=factor),
+            )
+            for factor in (history_factor / 4, history_factor / 2, history_factor)
+        ]
+        self._longest_window = self._rules[-1].window
+        self._rules.append(
+            _Rule(
+                KEEPING,
+                self._longest_window,
+                _ShadowCache(capacity, KEEPING, keep_every=keep_every),
+            )
+        )
+        # Blocks the pool holds, and how many of them are sampled: the policy counts.
+        self.pool_blocks = 0
+        self.pool_sampled = 0
         self._uses = 0
+        self._recount_every = capacity
         self._half_life = 8 * capacity
         self.mode = ADMITTING
+        self.window = self._longest_window
 
     @property
     def doorkeeper(self) -> bool:
@@ -443,28 +514,70 @@ class AdmissionDuel:
         self._feed(key_hash, False)
 
     def _feed(self, key_hash: int, hit: bool) -> None:
-        admit_all, door, keep = self._admit_all, self._door, self._keep
-        admit_all.use(key_hash, hit)
-        door.use(key_hash, hit)
-        keep.use(key_hash, hit)
-        self._uses += 1
-        if self._uses % self._half_life == 0:
-            admit_all.hits /= 2
-            door.hits /= 2
-            keep.hits /= 2
-        rule = GUARDING if door.hits >= keep.hits else KEEPING
-        best = max(door.hits, keep.hits)
-        lead = best - admit_all.hits
-        if lead > 2.0 * math.sqrt(best + admit_all.hits):
-            self.mode = rule
-        else:
+        admit_all_hit = self._admit_all.use(key_hash, hit)
+        rules = self._rules
+        scored = False
+        for rule in rules:
+            if rule.shadow.use(key_hash, hit) != admit_all_hit:
+                scored = True
+                if admit_all_hit:
+                    rule.losses += 1
+                else:
+                    rule.wins += 1
+        uses = self._uses = self._uses + 1
+        if uses % self._recount_every == 0:
+            self._resize_shadows()
+        if uses % self._half_life == 0:
+            scored = True
+            for rule in rules:
+                rule.wins /= 2
+                rule.losses /= 2
+        if scored:
+            self._choose()
+
+    def _choose(self) -> None:
+        best: _Rule | None = None
+        best_lead = 0.0
+        for rule in self._rules:
+            lead = rule.wins - rule.losses
+            if lead > best_lead and lead > 1.5 * math.sqrt(rule.wins + rule.losses):
+                best, best_lead = rule, lead
+        if best is None:
             self.mode = ADMITTING
+            self.window = self._longest_window
+        else:
+            self.mode = best.mode
+            self.window = best.window
+
+    def _resize_shadows(self) -> None:
+        held = self.pool_blocks
+        if held * 10 < self._num_blocks * 9:
+            return
+        capacity = max(1, round(self.pool_sampled * self._num_blocks / held))
+        self._admit_all.resize(capacity)
+        for rule in self._rules:
+            rule.shadow.resize(capacity)
+
+
+class _Rule:
+    """An admission rule in the duel: its mode, its history window (in keys
+    remembered), its shadow, and its wins and losses against admit-all."""
+
+    __slots__ = ("mode", "window", "shadow", "wins", "losses")
+
+    def __init__(self, mode: int, window: int, shadow: _ShadowCache) -> None:
+        self.mode = mode
+        self.window = window
+        self.shadow = shadow
+        self.wins = 0.0
+        self.losses = 0.0
 
 
 class _ShadowCache:
     """A key-only LRU cache that counts its hits, under one admission `mode`: once
-    full, GUARDING refuses first-sight keys and KEEPING lets in one refused key in
-    `keep_every`."""
+    full, GUARDING refuses keys it does not remember (it remembers `history_factor`
+    times its capacity of keys that left or were refused) and KEEPING lets in one
+    refused key in `keep_every`."""
 
     __slots__ = (
         "capacity",
@@ -473,40 +586,60 @@ class _ShadowCache:
         "_keep_credit",
         "_keys",
         "_history",
-        "_history_cap",
+        "_history_factor",
     )
 
     def __init__(
-        self, capacity: int, history_factor: float, mode: int, keep_every: int
+        self,
+        capacity: int,
+        mode: int,
+        history_factor: float = 0.0,
+        keep_every: int = 32,
     ) -> None:
         self.capacity = capacity
         self.hits = 0.0
         self._mode = mode
         self._keep_credit = KeepCredit(keep_every)
         self._keys: OrderedDict[int, None] = OrderedDict()
+        # Only guarding reads the history; the other rules keep none.
         self._history: OrderedDict[int, None] = OrderedDict()
-        self._history_cap = max(1, int(capacity * history_factor))
+        self._history_factor = history_factor if mode == GUARDING else 0.0
 
-    def use(self, key: int, hit: bool = True) -> None:
-        """A use of `key`; a held key counts as a hit only if `hit`."""
+    def use(self, key: int, hit: bool = True) -> bool:
+        """A use of `key`; a held key counts as a hit only if `hit`. Returns whether
+        it counted as one."""
         keys = self._keys
         if key in keys:
             keys.move_to_end(key)
             if hit:
                 self.hits += 1
-            return
+            return hit
         full = len(keys) >= self.capacity
         if full and self._mode == GUARDING and key not in self._history:
             self._remember(key)
-            return
+            return False
         if full and self._mode == KEEPING and not self._keep_credit.lets_in():
-            return
+            return False
         self._history.pop(key, None)
         keys[key] = None
         if full:
-            self._remember(keys.popitem(last=False)[0])
+            self._evict()
+        return False
+
+    def resize(self, capacity: int) -> None:
+        """Holds at most `capacity` keys from now on; evicts the least recent."""
+        self.capacity = capacity
+        while len(self._keys) > capacity:
+            self._evict()
+
+    def _evict(self) -> None:
+        self._remember(self._keys.popitem(last=False)[0])
 
     def _remember(self, key: int) -> None:
-        self._history[key] = None
-        if len(self._history) > self._history_cap:
-            self._history.popitem(last=False)
+        history = self._history
+        cap = int(self.capacity * self._history_factor)
+        if cap < 1:
+            return
+        history[key] = None
+        while len(history) > cap:
+            history.popitem(last=False)
