@@ -195,6 +195,22 @@ def test_prefix_aware_sample_flag_follows_the_key_not_the_block() -> None:
     assert pool.count_hits([4]) == 1 and policy._duel._uses == uses + 2
 
 
+def test_prefix_aware_counts_what_the_pool_holds_through_a_reset() -> None:
+    # The duel sizes its shadows by the blocks the pool holds: a reset drops the
+    # unpinned ones and a pinned block stays, counted, until it leaves.
+    policy = PrefixAwarePolicy(4)
+    pool = HostBlockPool(4, policy)
+    store(pool, ["a", "b", "c"])
+    assert policy._duel.pool_blocks == policy._duel.pool_sampled == 3
+    pool.pin(["a"])
+    pool.reset()
+    assert policy._duel.pool_blocks == policy._duel.pool_sampled == 1
+    pool.unpin(["a"])
+    for key in "defgh":
+        store(pool, [key])
+    assert policy._duel.pool_blocks == policy._duel.pool_sampled == 4
+
+
 def _hot_and_one_offs(pool: HostBlockPool, laps: int) -> tuple[int, int]:
     """12 hot keys in a loop, 3 never-reused keys after each: reuse distance 48 > 16.
 
