@@ -16,7 +16,7 @@ from vllm_cpu_offload.scheduler.policies import (
     S3FIFOPolicy,
     make_policy,
 )
-from vllm_cpu_offload.scheduler.policies.prefix_aware import AdmissionDuel
+from vllm_cpu_offload.scheduler.policies.prefix_aware import PROTECTING, AdmissionDuel
 
 
 def store(pool: HostBlockPool, keys: list[object], parent: object = None) -> int:
@@ -354,8 +354,31 @@ def test_admission_duel_guards_with_a_short_window_against_late_returns() -> Non
         for i in range(8, 12):
             duel.observe(hash(i))
     assert duel.doorkeeper and duel.window == 16
-    short, _, longest, _ = duel._rules
+    short, _, longest = duel._rules[:3]
     assert short.shadow.hits > 10 * longest.shadow.hits
+
+
+def test_admission_duel_protects_when_new_keys_are_reused_at_once() -> None:
+    # 6 hot keys, each read twice a visit; a new key a step, read again the next step;
+    # 2 one-off keys a step. Admitting everything into probation and evicting there
+    # first serves the hot set and every new key's reuse; a doorkeeper refuses each new
+    # key's first sight, and plain LRU flushes the hot set.
+    duel = AdmissionDuel(num_blocks=16, history_factor=4.0, shadow_blocks=16)
+    one_off = 10**6
+    for step in range(2000):
+        duel.observe(hash(step % 6))
+        duel.observe(hash(step % 6))
+        duel.observe(hash(1000 + step))
+        if step:
+            duel.observe(hash(1000 + step - 1))
+        for _ in range(2):
+            one_off += 1
+            duel.observe(hash(one_off))
+    assert duel.mode == PROTECTING
+    protecting = duel._rules[-1]
+    assert protecting.mode == PROTECTING
+    assert protecting.shadow.hits > 1.4 * duel._admit_all.hits
+    assert all(protecting.shadow.hits > rule.shadow.hits for rule in duel._rules[:-1])
 
 
 def test_admission_duel_prefers_admit_all_on_a_small_working_set() -> None:

@@ -10,13 +10,16 @@ block is reused at least as often as any of its descendants. So:
    the head of its list it is parked (unlisted) until its last child leaves, then goes
    back to the head, since it was older than everything listed. Evicting only leaves
    never creates orphans.
-3. Three modes, chosen online. The pool is *admitting* (every new key may evict: the
-   least recent leaf goes, as in LRU), *guarding* (a key not recalled from the history
-   is refused while the pool is full and only remembered, so it gets in on its next
-   sight, a doorkeeper; victims come from a probation segment first: blocks used again
-   while held sit in a protected segment of at most `protected_fraction` of the pool),
-   or *keeping* (while the pool is full, only one refused key in `keep_every` gets in,
-   whether seen before or not, evicting in LRU order: bimodal insertion, as in DIP).
+3. Four modes, chosen online. The pool is *admitting* (every new key may evict: the
+   least recent leaf goes, as in LRU), *protecting* (every new key may evict, but
+   victims come from a probation segment first: blocks used again while held sit in a
+   protected segment of at most `protected_fraction` of the pool, a segmented LRU),
+   *guarding* (segments as protecting, and a key not recalled from the history is
+   refused while the pool is full and only remembered, so it gets in on its next
+   sight, a doorkeeper), or *keeping* (while the pool is full, only one refused key in
+   `keep_every` gets in, whether seen before or not, evicting in LRU order: bimodal
+   insertion, as in DIP). Protecting keeps a reused set from a stream of one-off
+   blocks and still serves a new block's first reuse, which a doorkeeper refuses.
    Guarding keeps a thrashing pool from trading blocks that will be reused for blocks
    seen once (the last turn of a conversation, one-off documents). Keeping protects
    what the pool holds from a loop or a stream of re-reads larger than the pool, where
@@ -54,6 +57,7 @@ _PROTECTED = 1
 ADMITTING = 0
 GUARDING = 1
 KEEPING = 2
+PROTECTING = 3
 
 
 class PrefixAwarePolicy(EvictionPolicy):
@@ -108,7 +112,7 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     def admit(self, key: BlockKey) -> bool:
         mode = self._duel.mode
-        if mode == ADMITTING:
+        if mode in (ADMITTING, PROTECTING):
             return True
         h = hash(key)
         if mode == GUARDING:
@@ -276,10 +280,12 @@ class PrefixAwarePolicy(EvictionPolicy):
         if victim is None:
             victim = self._head_leaf(self._probation)
             oldest_protected = self._head_leaf(self._protected)
+            mode = self._duel.mode
             if victim is None or (
                 # Admitting or keeping: segments off, the least recent leaf goes (LRU).
                 oldest_protected is not None
-                and self._duel.mode != GUARDING
+                and mode != GUARDING
+                and mode != PROTECTING
                 and oldest_protected.stamp < victim.stamp
             ):
                 victim = oldest_protected
@@ -327,6 +333,11 @@ class PrefixAwarePolicy(EvictionPolicy):
     def keeping(self) -> bool:
         """Whether the pool keeps what it holds, letting in one key in `keep_every`."""
         return self._duel.mode == KEEPING
+
+    @property
+    def protecting(self) -> bool:
+        """Whether the pool admits everything and evicts from probation first."""
+        return self._duel.mode == PROTECTING
 
     # ----- internals -----
 
@@ -410,8 +421,8 @@ class KeepCredit:
 
 
 class AdmissionDuel:
-    """Chooses admitting, guarding (at three history windows) or keeping by replaying a
-    key sample through one shadow of each rule and one of admit-all.
+    """Chooses admitting, guarding (at three history windows), keeping or protecting by
+    replaying a key sample through one shadow of each rule and one of admit-all.
 
     Keys whose hash is divisible by `modulus` (a power of two) are sampled; each shadow
     is an LRU cache of key hashes, sized to hold as many sampled keys as the pool
@@ -479,6 +490,9 @@ class AdmissionDuel:
                 self._longest_window,
                 _ShadowCache(capacity, KEEPING, keep_every=keep_every),
             )
+        )
+        self._rules.append(
+            _Rule(PROTECTING, self._longest_window, _SegmentedShadowCache(capacity))
         )
         # Blocks the pool holds, and how many of them are sampled: the policy counts.
         self.pool_blocks = 0
@@ -565,7 +579,9 @@ class _Rule:
 
     __slots__ = ("mode", "window", "shadow", "wins", "losses")
 
-    def __init__(self, mode: int, window: int, shadow: _ShadowCache) -> None:
+    def __init__(
+        self, mode: int, window: int, shadow: _ShadowCache | _SegmentedShadowCache
+    ) -> None:
         self.mode = mode
         self.window = window
         self.shadow = shadow
@@ -643,3 +659,51 @@ class _ShadowCache:
         history[key] = None
         while len(history) > cap:
             history.popitem(last=False)
+
+
+class _SegmentedShadowCache:
+    """A key-only segmented LRU cache that counts its hits: the protecting rule. New
+    keys enter probation; a key used again while held moves to the protected segment
+    (at most `protected_fraction` of the capacity; its least recent key goes back to
+    probation); victims come from probation first."""
+
+    __slots__ = ("capacity", "hits", "_protected_fraction", "_probation", "_protected")
+
+    def __init__(self, capacity: int, protected_fraction: float = 0.65) -> None:
+        self.capacity = capacity
+        self.hits = 0.0
+        self._protected_fraction = protected_fraction
+        self._probation: OrderedDict[int, None] = OrderedDict()
+        self._protected: OrderedDict[int, None] = OrderedDict()
+
+    def use(self, key: int, hit: bool = True) -> bool:
+        """A use of `key`; a held key counts as a hit only if `hit`. Returns whether
+        it counted as one."""
+        protected = self._protected
+        if key in protected:
+            protected.move_to_end(key)
+        elif key in self._probation:
+            del self._probation[key]
+            protected[key] = None
+            self._shrink_protected()
+        else:
+            self._probation[key] = None
+            self.resize(self.capacity)
+            return False
+        if hit:
+            self.hits += 1
+        return hit
+
+    def resize(self, capacity: int) -> None:
+        """Holds at most `capacity` keys from now on; evicts probation first."""
+        self.capacity = capacity
+        probation, protected = self._probation, self._protected
+        while len(probation) + len(protected) > capacity:
+            (probation or protected).popitem(last=False)
+        self._shrink_protected()
+
+    def _shrink_protected(self) -> None:
+        protected = self._protected
+        cap = int(self.capacity * self._protected_fraction)
+        while len(protected) > cap:
+            self._probation[protected.popitem(last=False)[0]] = None
