@@ -301,16 +301,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         if victim.in_duel_sample:
             duel.pool_sampled -= 1
             victim.in_duel_sample = False
-        # `_remember` inlined: a key the pool held is not in the history (its insert
-        # took it out), so it goes to the end as it is added.
-        history = self._history
-        history[hash(victim.key)] = self._epoch
-        self._epoch_left -= 1
-        if not self._epoch_left:
-            self._epoch += 1
-            self._epoch_left = self._epoch_size
-        if len(history) > self._history_cap:
-            history.popitem(last=False)
+        self._remember(hash(victim.key))
         return victim
 
     def reset(self) -> None:
