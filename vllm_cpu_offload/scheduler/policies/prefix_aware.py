@@ -139,7 +139,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         history, duel = self._history, self._duel
         duel.pool_blocks += len(blocks)
         mask = duel.modulus - 1
-        oldest_recalled = self._epoch - duel.window // self._epoch_size
+        oldest_recalled = self._oldest_recalled_epoch()
         # one stamp per batch: its blocks came together
         clock = self._clock = self._clock + 1
         recalled = False
@@ -251,10 +251,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         if block.owner is not None:
             block.owner.remove(block)
         self._set_segment(block, _PROBATION)
-        duel = self._duel
-        duel.pool_blocks -= 1
-        duel.pool_sampled -= block.in_duel_sample
-        block.in_duel_sample = False
+        self._leaves_sample(block)
 
     def on_orphaned(self, block: HostBlock) -> None:
         if block.owner is not None:
@@ -296,11 +293,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         if victim.segment == _PROTECTED:
             victim.segment = _PROBATION
             self._num_protected -= 1
-        duel = self._duel
-        duel.pool_blocks -= 1
-        if victim.in_duel_sample:
-            duel.pool_sampled -= 1
-            victim.in_duel_sample = False
+        self._leaves_sample(victim)
         self._remember(hash(victim.key))
         return victim
 
@@ -366,13 +359,22 @@ class PrefixAwarePolicy(EvictionPolicy):
             else:
                 self._probation.append(demoted)
 
+    def _leaves_sample(self, block: HostBlock) -> None:
+        """The block leaves the pool; the duel counts what the pool holds."""
+        duel = self._duel
+        duel.pool_blocks -= 1
+        if block.in_duel_sample:
+            duel.pool_sampled -= 1
+            block.in_duel_sample = False
+
+    def _oldest_recalled_epoch(self) -> int:
+        """Keys remembered after this epoch are within the guarding rule's window."""
+        return self._epoch - self._duel.window // self._epoch_size
+
     def _recalls(self, key_hash: int) -> bool:
         """Whether the key is remembered within the guarding rule's window."""
         epoch = self._history.get(key_hash)
-        return (
-            epoch is not None
-            and epoch > self._epoch - self._duel.window // self._epoch_size
-        )
+        return epoch is not None and epoch > self._oldest_recalled_epoch()
 
     def _remember(self, key_hash: int) -> None:
         history = self._history
