@@ -252,27 +252,33 @@ def test_prefix_aware_turns_doorkeeper_and_admits_on_second_sight() -> None:
     assert pool.count_hits(["new0", "new1"]) == 2
 
 
-def _document_loop(pool: HostBlockPool, docs: int, blocks: int, passes: int) -> int:
-    """Reads `docs` chains of `blocks` keys in the same order `passes` times, storing
-    what misses; returns the hits of the last pass."""
+def _document_loop(pool: HostBlockPool, docs: list[list[object]], passes: int) -> int:
+    """Reads the chains `docs` in the same order `passes` times, storing what misses;
+    returns the hits of the last pass."""
     hits = 0
     for _ in range(passes):
         hits = 0
-        for doc in range(docs):
-            keys = [f"doc{doc}.{i}" for i in range(blocks)]
+        for keys in docs:
             hit = pool.count_hits(keys)
             hits += hit
             store(pool, keys[hit:], keys[hit - 1] if hit else None)
     return hits
 
 
+def _documents(docs: int, blocks: int) -> list[list[object]]:
+    return [[f"doc{doc}.{i}" for i in range(blocks)] for doc in range(docs)]
+
+
 def test_prefix_aware_keeps_part_of_a_loop_larger_than_the_pool() -> None:
     # 8 documents of 16 blocks read in a loop through a pool of 64 blocks: LRU evicts
     # each document just before its next read; keeping what the pool holds serves
     # about half of every pass.
-    assert _document_loop(HostBlockPool(64, LRUPolicy(64)), 8, 16, passes=6) == 0
+    assert (
+        _document_loop(HostBlockPool(64, LRUPolicy(64)), _documents(8, 16), passes=6)
+        == 0
+    )
     policy = PrefixAwarePolicy(64)
-    hits = _document_loop(HostBlockPool(64, policy), 8, 16, passes=6)
+    hits = _document_loop(HostBlockPool(64, policy), _documents(8, 16), passes=6)
     assert policy.keeping and not policy.doorkeeper
     assert hits >= 3 * 16
 
@@ -282,7 +288,7 @@ def test_prefix_aware_keeping_lets_in_one_refused_key_in_keep_every() -> None:
     # key its way in (bimodal insertion), so the pool still follows a changed workload.
     policy = PrefixAwarePolicy(64, keep_every=4)
     pool = HostBlockPool(64, policy)
-    _document_loop(pool, 8, 16, passes=6)
+    _document_loop(pool, _documents(8, 16), passes=6)
     assert policy.keeping
     admitted = [i for i in range(20) if store(pool, [f"new{i}"])]
     # The first may use credit left from the loop; from then on, one in five.
@@ -311,20 +317,6 @@ def test_prefix_aware_device_hits_move_recency_but_are_no_shadow_hits() -> None:
     assert "a" in pool and "b" in pool and "c" not in pool
 
 
-def _loop_of_docs(pool: HostBlockPool, keys: list[int], passes: int) -> int:
-    """Reads `keys` as chains of 16 in the same order `passes` times, storing what
-    misses; returns the hits of the last pass."""
-    docs = [keys[i : i + 16] for i in range(0, len(keys), 16)]
-    hits = 0
-    for _ in range(passes):
-        hits = 0
-        for doc in docs:
-            hit = pool.count_hits(doc)
-            hits += hit
-            store(pool, doc[hit:], doc[hit - 1] if hit else None)
-    return hits
-
-
 def test_prefix_aware_keeps_a_loop_that_nearly_fits_its_sample() -> None:
     # 272 keys looped through 256 blocks; one key in 4 is sampled (hash(int) == int),
     # and the loop holds 60 sampled keys: a shadow sized num_blocks / 4 = 64 would
@@ -332,10 +324,11 @@ def test_prefix_aware_keeps_a_loop_that_nearly_fits_its_sample() -> None:
     # the pool holds (about 56), its admit-all misses the loop as the pool does.
     keys = list(range(240)) + [1001 + 4 * i for i in range(32)]
     assert sum(key % 4 == 0 for key in keys) == 60
-    assert _loop_of_docs(HostBlockPool(256, LRUPolicy(256)), keys, passes=8) == 0
+    docs: list[list[object]] = [list(keys[i : i + 16]) for i in range(0, 272, 16)]
+    assert _document_loop(HostBlockPool(256, LRUPolicy(256)), docs, passes=8) == 0
     policy = PrefixAwarePolicy(256, shadow_blocks=64)
     assert policy._duel.modulus == 4
-    hits = _loop_of_docs(HostBlockPool(256, policy), keys, passes=8)
+    hits = _document_loop(HostBlockPool(256, policy), docs, passes=8)
     assert policy._duel._admit_all.capacity < 60
     assert policy.keeping and hits >= 128
 
