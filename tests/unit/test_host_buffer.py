@@ -3,9 +3,13 @@ errors."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 import torch
 
+from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker import host_buffer
 from vllm_cpu_offload.worker.host_buffer import HostBuffer, HostBufferError
 from vllm_cpu_offload.worker.kv_layout import KVLayout
@@ -70,13 +74,16 @@ def test_failed_allocation_names_swap_space(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_failed_pinning_names_swap_space(monkeypatch: pytest.MonkeyPatch) -> None:
     # cudaHostRegister refuses (e.g. the locked-memory limit): a clear error,
-    # not a crash.
+    # not a crash, and CUDA's last error cleared for whoever catches it.
+    cleared: list[bool] = []
     monkeypatch.setattr(host_buffer, "_host_register", lambda ptr, size: 2)
+    monkeypatch.setattr(host_buffer, "_clear_cuda_error", lambda: cleared.append(True))
     layouts = {"a": KVLayout(4, 1 << 20, 1, 0, 1 << 20, 2)}
     with pytest.raises(
         HostBufferError, match=r"--swap-space asked for 0\.50 GiB of pinned"
     ):
         HostBuffer(layouts, 512, pin=True)
+    assert cleared == [True]
 
 
 def test_pinning_registers_the_exact_size(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,3 +110,46 @@ def test_pinning_registers_the_exact_size(monkeypatch: pytest.MonkeyPatch) -> No
 def test_pinned_on_cuda() -> None:
     host = HostBuffer.for_kv_caches(_caches(), num_host_blocks=2)
     assert host.pinned and host.tensor.is_pinned()
+
+
+def test_a_mapped_tier_that_cannot_be_pinned_runs_unpinned(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Kernels refuse long-term pins of some file systems' pages: a --swap-space-path
+    # tier then runs unpinned (torch copies) with a warning naming the fix, and CUDA's
+    # last error is cleared so that the next launch does not report it as its own.
+    cleared: list[bool] = []
+    monkeypatch.setattr(host_buffer, "_host_register", lambda ptr, size: 1)
+    monkeypatch.setattr(host_buffer, "_clear_cuda_error", lambda: cleared.append(True))
+    data_file = TierDataFile(str(tmp_path), "tp0-pp0", {"model": "m"})
+    with caplog.at_level(logging.WARNING, logger=host_buffer.__name__):
+        host = HostBuffer.for_kv_caches(
+            _caches(), num_host_blocks=3, pin=True, data_file=data_file
+        )
+    assert not host.pinned and not host.tensor.is_pinned()
+    assert cleared == [True]
+    assert f"--swap-space-path {tmp_path}" in caplog.text
+    assert "/dev/shm" in caplog.text
+    host.tensor[2].fill_(7)  # still the file's mapping: written through
+    del host
+    data_file.close()
+    data_file = TierDataFile(str(tmp_path), "tp0-pp0", {"model": "m"})
+    again = HostBuffer.for_kv_caches(
+        _caches(), num_host_blocks=3, pin=False, data_file=data_file
+    )
+    assert data_file.rebuilt_because is None
+    assert int(again.tensor[2].min()) == 7
+    data_file.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_mapped_tier_on_cuda_is_pinned_or_leaves_cuda_clean(tmp_path: Path) -> None:
+    # Whether this machine's kernel pins file pages or not, the buffer says which it
+    # is, and the next CUDA work runs.
+    data_file = TierDataFile(str(tmp_path), "tp0-pp0", {"model": "m"})
+    host = HostBuffer.for_kv_caches(_caches(), num_host_blocks=3, data_file=data_file)
+    assert host.pinned == host.tensor.is_pinned()
+    assert int(torch.ones(4, device="cuda").sum()) == 4
+    del host
+    data_file.close()

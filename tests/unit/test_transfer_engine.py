@@ -3,6 +3,8 @@ exists."""
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 from collections.abc import Sequence
 
@@ -16,6 +18,44 @@ from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
 NUM_LAYERS, NUM_BLOCKS, NUM_HOST_BLOCKS = 3, 8, 6
+
+
+class _StreamGate:
+    """Holds a CUDA stream at the point it is made until `open()`: the stream waits
+    (`cuStreamWaitValue32`) for a word of pinned host memory that only the host sets,
+    so what is queued behind it cannot run, however long the host takes. A host call
+    that waits for the stream would hang on it; a watchdog opens the gate after two
+    minutes so that such a call fails the test instead (`opened_by_watchdog`)."""
+
+    _GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._word = torch.zeros(1, dtype=torch.int32).pin_memory()
+        self.opened_by_watchdog = False
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        wait = getattr(libcuda, "cuStreamWaitValue32_v2", None)
+        if wait is None:
+            wait = libcuda.cuStreamWaitValue32
+        wait.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_uint32,
+            ctypes.c_uint,
+        ]
+        code = wait(stream.cuda_stream, self._word.data_ptr(), 1, self._GEQ)
+        if code != 0:
+            pytest.skip(f"cuStreamWaitValue32 is unavailable (CUresult {code})")
+        self._watchdog = threading.Timer(120, self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _expire(self) -> None:
+        self.opened_by_watchdog = True
+        self._word[0] = 1
+
+    def open(self) -> None:
+        self._watchdog.cancel()
+        self._word[0] = 1
 
 
 def _caches(device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -276,23 +316,36 @@ def test_cuda_step_loads_layer_by_layer_and_stores_async(kind: str) -> None:
 @pytest.mark.cuda
 @cuda
 def test_cuda_background_loads_hold_back_no_step() -> None:
-    # A background load whose stream is still busy (a sleep queued before it) is not
-    # waited for by the step's own loads, by compute, or by finish_step: the step ends
-    # on the device while the load has not run; it is reported once it has.
+    # A background load whose stream is held (a gate queued before it, opened only by
+    # the test) is not waited for by the host, the step's own loads, compute or
+    # finish_step: the step ends on the device while the load cannot have run; it is
+    # reported once the gate opens and it has.
     caches = _caches("cuda")
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))
     engine = TransferEngine(caches, host, copier=_cuda_copier("triton", caches, host))
-    with torch.cuda.stream(engine._background_stream):
-        torch.cuda._sleep(4_000_000_000)  # seconds on any GPU
-    engine.start_background_loads([BlockTransfer(1, [6], [0])])
-    engine.start_loads([BlockTransfer(2, [5], [2])])
-    for name, t in caches.items():
+    # The same step once ungated: a kernel's first launch loads its module, which
+    # waits for the device (the gate included); serving starts with them loaded.
+    engine.start_background_loads([BlockTransfer(3, [6], [0])])
+    engine.start_loads([BlockTransfer(4, [5], [2])])
+    for name in caches:
         engine.wait_for_layer_load(name)
-        t[3].add_(1)
     engine.finish_step()
-    torch.cuda.current_stream().synchronize()  # the step, not the background load
-    assert engine.poll_finished().loads == {2}
+    engine.wait_all()
+    assert engine.poll_finished() == FinishedJobs(loads={3, 4})
+    gate = _StreamGate(engine._background_stream)
+    try:
+        engine.start_background_loads([BlockTransfer(1, [6], [0])])
+        engine.start_loads([BlockTransfer(2, [5], [2])])
+        for name, t in caches.items():
+            engine.wait_for_layer_load(name)
+            t[3].add_(1)
+        engine.finish_step()
+        torch.cuda.current_stream().synchronize()  # the step, not the background load
+        assert not gate.opened_by_watchdog, "a call waited for the background stream"
+        assert engine.poll_finished().loads == {2}
+    finally:
+        gate.open()
     engine.wait_all()
     assert engine.poll_finished() == FinishedJobs(loads={1})
     for name, t in caches.items():

@@ -24,6 +24,8 @@ blocks over PCIe (`copiers/staged.py`). Of third-party modules it imports torch 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import weakref
 from collections.abc import Iterable, Mapping
 
@@ -32,6 +34,8 @@ import torch
 from vllm_cpu_offload.errors import GIB
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
+
+logger = logging.getLogger(__name__)
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: usable from kernels on any device.
 _REGISTER_FLAGS = 0x1 | 0x2
@@ -93,8 +97,11 @@ class HostBuffer:
             self.tensor = data_file.map(num_host_blocks, self.block_bytes, described)
         else:
             self.tensor = _allocate(num_host_blocks, self.block_bytes)
-        if self.pinned:
+        if self.pinned and data_file is not None:
+            self.pinned = _pin_mapped_file(self.tensor, data_file.path)
+        elif self.pinned:
             _pin(self.tensor)
+        if self.pinned:
             # Unpinned when this buffer goes away, while its tensor is still alive.
             weakref.finalize(self, _host_unregister, self.tensor.data_ptr())
 
@@ -151,13 +158,43 @@ def _allocate(num_blocks: int, block_bytes: int) -> torch.Tensor:
 
 
 def _pin(t: torch.Tensor) -> None:
-    size = t.numel()
+    why = _register(t)
+    if why is not None:
+        raise _error(t.numel(), "pinned host", why)
+
+
+def _pin_mapped_file(t: torch.Tensor, path: str) -> bool:
+    """Pins a `--swap-space-path` mapping if CUDA can; else the tier runs unpinned.
+
+    Whether memory mapped from a file can be page-locked depends on the kernel and the
+    file system (long-term pins of file pages that need writeback are refused by
+    recent kernels), not on the request: the tier still works, with copies through
+    pageable memory, so this warns instead of failing the engine.
+    """
+    why = _register(t)
+    if why is None:
+        return True
+    logger.warning(
+        "--swap-space-path %s: CUDA cannot page-lock memory mapped from this file "
+        "system (%s); the host tier runs unpinned, with slower copies. Put "
+        "--swap-space-path on a tmpfs (e.g. /dev/shm/vllm-kv) to pin it.",
+        path,
+        why,
+    )
+    return False
+
+
+def _register(t: torch.Tensor) -> str | None:
+    """Registers `t` with CUDA; why it failed, or None. A failed call leaves CUDA's
+    last error set, which the next kernel launch would report as its own: cleared."""
     try:
-        code = _host_register(t.data_ptr(), size)
+        code = _host_register(t.data_ptr(), t.numel())
     except (RuntimeError, AttributeError) as e:
-        raise _error(size, "pinned host", f"cudaHostRegister raised: {e}") from e
-    if code != 0:
-        raise _error(size, "pinned host", f"cudaHostRegister returned error {code}")
+        return f"cudaHostRegister raised: {e}"
+    if code == 0:
+        return None
+    _clear_cuda_error()
+    return f"cudaHostRegister returned error {code}"
 
 
 def _error(size: int, kind: str, why: str) -> HostBufferError:
@@ -165,6 +202,13 @@ def _error(size: int, kind: str, why: str) -> HostBufferError:
         f"--swap-space asked for {size / GIB:.2f} GiB of {kind} memory and {why}. "
         "Lower --swap-space or free host memory."
     )
+
+
+def _clear_cuda_error() -> None:
+    # torch exposes no cudaGetLastError; its launch check reads (and so resets) the
+    # last error, raising it once: a one-element fill takes that raise here.
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device="cuda")
 
 
 def _host_register(ptr: int, size: int) -> int:
