@@ -9,6 +9,10 @@ check through injected torch copiers. Needs no vLLM: part of the GPU transfer ch
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,13 +49,32 @@ def _finish(engine: TransferEngine) -> None:
     assert not finished.failed
 
 
+@pytest.fixture(params=["disk", "tmpfs"])
+def tier_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A tier directory on the test's own file system and one on /dev/shm: on CUDA,
+    recent kernels pin a tmpfs mapping but not one of a disk file, so the two take
+    different copiers (the pinned ones, or torch copies)."""
+    if request.param == "disk":
+        yield tmp_path
+        return
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="kv-tier-test-", dir=shm))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_start_up_leaves_restored_blocks_and_reads_them_back(
-    tmp_path: Path, backend: str
+    tier_dir: Path, backend: str
 ) -> None:
     caches, _ = make_kv_caches("LBHNC", device=DEVICE)
-    data_file = TierDataFile(str(tmp_path), WORKER, FINGERPRINT)
+    data_file = TierDataFile(str(tier_dir), WORKER, FINGERPRINT)
     host = HostBuffer.for_kv_caches(caches, HOST_BLOCKS, data_file=data_file)
+    assert host.pinned == host.tensor.is_pinned()
     engine = _engine(caches, host, backend)
     engine.start_loads([])
     engine.store_layer(next(iter(caches)), [BlockTransfer(1, [3], [0])])
@@ -64,7 +87,7 @@ def test_start_up_leaves_restored_blocks_and_reads_them_back(
     # A restart: other device memory, the same tier.
     for t in caches.values():
         t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
-    data_file = TierDataFile(str(tmp_path), WORKER, FINGERPRINT)
+    data_file = TierDataFile(str(tier_dir), WORKER, FINGERPRINT)
     host = HostBuffer.for_kv_caches(caches, HOST_BLOCKS, data_file=data_file)
     assert data_file.rebuilt_because is None
     engine = _engine(caches, host, backend)
