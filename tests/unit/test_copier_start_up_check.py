@@ -7,7 +7,7 @@ through the same path (`select_copiers` with candidates) with torch copiers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -128,3 +128,59 @@ def test_a_copier_that_fails_the_check_gives_way_to_the_next() -> None:
     assert isinstance(engine.copiers.loads, TorchBlockCopier)
     assert engine.copiers.stores is engine.copiers.loads
     assert torch.equal(host.tensor, before)  # no check wrote the host buffer
+
+
+def _loads_off_by_one(
+    caches: Mapping[str, torch.Tensor], host: HostBuffer
+) -> _Delegating:
+    """A copier that stores right and loads wrong bytes (each loaded block + 1)."""
+
+    def after(to_host: bool, device_ids: torch.Tensor) -> None:
+        if not to_host:
+            for t in caches.values():
+                for block in device_ids.tolist():
+                    t[block].add_(1)
+
+    return _Delegating(TorchBlockCopier(caches, host), after)
+
+
+class _Delegating:
+    def __init__(
+        self, inner: TorchBlockCopier, after: Callable[[bool, torch.Tensor], None]
+    ) -> None:
+        self._inner = inner
+        self._after = after
+
+    def copy(
+        self,
+        to_host: bool,
+        device_ids: torch.Tensor,
+        host_ids: torch.Tensor,
+        layers: Sequence[str] | None = None,
+    ) -> None:
+        self._inner.copy(to_host, device_ids, host_ids, layers)
+        self._after(to_host, device_ids)
+
+
+def test_the_check_loads_too_and_leaves_the_caches_as_they_were() -> None:
+    # The check runs both directions before serving (a copier that compiles kernels
+    # compiles both there); a copier whose loads are wrong gives way, and one that
+    # passes leaves every device block as it found it.
+    caches = _caches(seed=4)
+    before = {name: t.clone() for name, t in caches.items()}
+    host = HostBuffer.for_kv_caches(caches, HOST_BLOCKS)
+    engine = TransferEngine(
+        caches, host, candidates=[("torch views", TorchBlockCopier)]
+    )
+    assert isinstance(engine.copiers.loads, TorchBlockCopier)
+    for name, t in caches.items():
+        assert torch.equal(t, before[name]), name
+    engine = TransferEngine(
+        caches,
+        host,
+        candidates=[
+            ("loads off by one", _loads_off_by_one),
+            ("torch views", TorchBlockCopier),
+        ],
+    )
+    assert isinstance(engine.copiers.loads, TorchBlockCopier)

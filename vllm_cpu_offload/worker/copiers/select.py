@@ -125,19 +125,32 @@ def passes_start_up_check(
     make: CopierFactory, caches: Caches, host: HostBuffer
 ) -> bool:
     """Whether a copier from `make` stores device block 0 of every layer where the
-    layout says, into a one-block scratch buffer like `host` (never into `host`)."""
+    layout says, into a one-block scratch buffer like `host` (never into `host`), and
+    loads it back unchanged. Both directions run once here, so that a copier that
+    compiles kernels on first use does so before serving, not inside a step."""
     scratch = HostBuffer(host.layouts, 1, pin=host.pinned)
     probe = make(caches, scratch)
     name, cache = next(iter(caches.items()))
+    layout = scratch.layouts[name]
     zero = torch.zeros(
         1, dtype=torch.int64, device="cpu" if ids_on_host(probe) else cache.device
     )
     # Every layer at once, the way stores go.
     probe.copy(True, zero, zero, None)
+    _synchronize(cache)
+    # A copy even on CPU, where .cpu() would return a view of the block itself.
+    expected = layout.block_view(cache, 0).reshape(-1).to("cpu", copy=True)
+    if not torch.equal(scratch.layer_view(name)[0], expected):
+        return False
+    # The same bytes back into the block they came from: the caches are unchanged.
+    probe.copy(False, zero, zero, None)
+    _synchronize(cache)
+    return torch.equal(layout.block_view(cache, 0).cpu().reshape(-1), expected)
+
+
+def _synchronize(cache: torch.Tensor) -> None:
     if cache.device.type == "cuda":
         torch.cuda.synchronize(cache.device)
-    expected = scratch.layouts[name].block_view(cache, 0).cpu().reshape(-1)
-    return torch.equal(scratch.layer_view(name)[0], expected)
 
 
 def _kernels_or_dma(caches: Caches, host: HostBuffer, *, dma: bool) -> BlockCopier:

@@ -37,12 +37,31 @@ NUM_PROGRAMS = 32
 
 _TL_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
+# Arguments that change from launch to launch but only bound loops or feed scalar
+# loads: were Triton to specialize on them (a value of 1, a multiple of 16, a 16-byte
+# aligned address: a slice of the layer table starting at an odd layer is not), every
+# new combination would compile a kernel the first time a step met it, a stall of about
+# a second in the forward pass. Unspecialized, a layout has one kernel per direction,
+# both compiled by the start-up check. `host_addr` is typed int64: left to Triton, an
+# address under 2**31 (the check's small scratch buffer can have one) would be an i32
+# and compile a kernel of its own.
+_VARYING_ARGS = (
+    "layer_addrs",
+    "slot_offsets",
+    "device_ids",
+    "host_ids",
+    "num_items",
+    "num_layers",
+)
 
-@triton.jit
+
+@triton.jit(
+    do_not_specialize=_VARYING_ARGS, do_not_specialize_on_alignment=_VARYING_ARGS
+)
 def _copy_blocks_kernel(
     layer_addrs,  # int64[num_layers]: address of each layer's device KV data
     slot_offsets,  # int64[num_layers]: word offset of each layer's slot in a host block
-    host_addr,  # int64: address of host block 0
+    host_addr: tl.int64,  # address of host block 0
     device_ids,  # int64[num_pairs]
     host_ids,  # int64[num_pairs]
     num_items,  # pairs * layers * runs * tiles
@@ -58,7 +77,8 @@ def _copy_blocks_kernel(
     BLOCK: tl.constexpr,
 ):
     offsets = tl.arange(0, BLOCK)
-    # An address that fits 31 bits arrives as i32: widen before making it a pointer.
+    # Widened anyway: a Triton that ignored the annotation would pass a low address
+    # as i32.
     host_base = host_addr.to(tl.int64).to(tl.pointer_type(WORD))
     # Items in (pair, layer, run, tile) order: neighbouring programs write neighbouring
     # bytes of one host block.
