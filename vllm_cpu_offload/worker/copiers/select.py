@@ -14,9 +14,11 @@ A candidate that cannot be built, or fails the start-up check, gives way to the 
 
 The start-up check proves that a copier writes host memory where the layout says
 (kernels address pinned memory through its host pointer, which needs a GPU and platform
-with unified addressing). It runs a probe copier, built by the same factory, over a
-scratch buffer of one block with the same layouts: it never writes a host block, which
-with `--swap-space-path` may hold a block restored from a previous run.
+with unified addressing) and reads it back. It runs a probe copier, built by the same
+factory, over a scratch buffer of one block with the same layouts: device block 0 goes
+to the scratch block and comes back unchanged. It never writes a host block, which with
+`--swap-space-path` may hold a block restored from a previous run; running both
+directions compiles a kernel copier's kernels before serving instead of in a step.
 
 Imports torch; triton only when its kernels are a candidate.
 """
