@@ -100,53 +100,14 @@ def test_the_check_leaves_a_restored_block_zero_as_it_was(tmp_path: Path) -> Non
     worker.shutdown()
 
 
-class _WritesNothing:
-    """A copier whose stores land nowhere: what the check exists to catch."""
+class _Faulty:
+    """A copier with a fault the check exists to catch: `inner` copies (None: nothing
+    lands anywhere), then `after(to_host, device_ids)` runs."""
 
-    def copy(
-        self,
-        to_host: bool,
-        device_ids: torch.Tensor,
-        host_ids: torch.Tensor,
-        layers: Sequence[str] | None = None,
-    ) -> None:
-        pass
-
-
-def test_a_copier_that_fails_the_check_gives_way_to_the_next() -> None:
-    caches = _caches(seed=3)
-    host = HostBuffer.for_kv_caches(caches, HOST_BLOCKS)
-    before = host.tensor.clone()
-    engine = TransferEngine(
-        caches,
-        host,
-        candidates=[
-            ("broken", lambda c, h: _WritesNothing()),
-            ("torch views", TorchBlockCopier),
-        ],
-    )
-    assert isinstance(engine.copiers.loads, TorchBlockCopier)
-    assert engine.copiers.stores is engine.copiers.loads
-    assert torch.equal(host.tensor, before)  # no check wrote the host buffer
-
-
-def _loads_off_by_one(
-    caches: Mapping[str, torch.Tensor], host: HostBuffer
-) -> _Delegating:
-    """A copier that stores right and loads wrong bytes (each loaded block + 1)."""
-
-    def after(to_host: bool, device_ids: torch.Tensor) -> None:
-        if not to_host:
-            for t in caches.values():
-                for block in device_ids.tolist():
-                    t[block].add_(1)
-
-    return _Delegating(TorchBlockCopier(caches, host), after)
-
-
-class _Delegating:
     def __init__(
-        self, inner: TorchBlockCopier, after: Callable[[bool, torch.Tensor], None]
+        self,
+        inner: TorchBlockCopier | None = None,
+        after: Callable[[bool, torch.Tensor], None] | None = None,
     ) -> None:
         self._inner = inner
         self._after = after
@@ -158,8 +119,39 @@ class _Delegating:
         host_ids: torch.Tensor,
         layers: Sequence[str] | None = None,
     ) -> None:
-        self._inner.copy(to_host, device_ids, host_ids, layers)
-        self._after(to_host, device_ids)
+        if self._inner is not None:
+            self._inner.copy(to_host, device_ids, host_ids, layers)
+        if self._after is not None:
+            self._after(to_host, device_ids)
+
+
+def test_a_copier_that_fails_the_check_gives_way_to_the_next() -> None:
+    caches = _caches(seed=3)
+    host = HostBuffer.for_kv_caches(caches, HOST_BLOCKS)
+    before = host.tensor.clone()
+    engine = TransferEngine(
+        caches,
+        host,
+        candidates=[
+            ("writes nothing", lambda c, h: _Faulty()),
+            ("torch views", TorchBlockCopier),
+        ],
+    )
+    assert isinstance(engine.copiers.loads, TorchBlockCopier)
+    assert engine.copiers.stores is engine.copiers.loads
+    assert torch.equal(host.tensor, before)  # no check wrote the host buffer
+
+
+def _loads_off_by_one(caches: Mapping[str, torch.Tensor], host: HostBuffer) -> _Faulty:
+    """A copier that stores right and loads wrong bytes (each loaded block + 1)."""
+
+    def after(to_host: bool, device_ids: torch.Tensor) -> None:
+        if not to_host:
+            for t in caches.values():
+                for block in device_ids.tolist():
+                    t[block].add_(1)
+
+    return _Faulty(TorchBlockCopier(caches, host), after)
 
 
 def test_the_check_loads_too_and_leaves_the_caches_as_they_were() -> None:
