@@ -17,9 +17,11 @@ fails at start, not in the middle of serving. Pinning registers an ordinary allo
 with `cudaHostRegister` instead of asking torch for pinned memory: torch's pinned
 allocator rounds every request up to a power of two, so a 40 GiB `--swap-space` would
 lock 64 GiB. With `--swap-space-path` the same layout lives in a shared mapping of a
-file that outlives the process (`data_file=`, persist/data_file.py). The same layout can
-live in device memory (`device=`): a few blocks of staging for copies that move whole
-blocks over PCIe (`copiers/staged.py`). Of third-party modules it imports torch only.
+file that outlives the process (`data_file=`, persist/data_file.py), pinned where the
+kernel allows it (tmpfs, not a disk file system: there the tier runs unpinned). The
+same layout can live in device memory (`device=`): a few blocks of staging for copies
+that move whole blocks over PCIe (`copiers/staged.py`). Of third-party modules it
+imports torch only.
 """
 
 from __future__ import annotations
