@@ -324,23 +324,23 @@ def test_cuda_background_loads_hold_back_no_step() -> None:
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))
     engine = TransferEngine(caches, host, copier=_cuda_copier("triton", caches, host))
-    # The same step once ungated: a kernel's first launch loads its module, which
-    # waits for the device (the gate included); serving starts with them loaded.
-    engine.start_background_loads([BlockTransfer(3, [6], [0])])
-    engine.start_loads([BlockTransfer(4, [5], [2])])
-    for name in caches:
-        engine.wait_for_layer_load(name)
-    engine.finish_step()
-    engine.wait_all()
-    assert engine.poll_finished() == FinishedJobs(loads={3, 4})
-    gate = _StreamGate(engine._background_stream)
-    try:
-        engine.start_background_loads([BlockTransfer(1, [6], [0])])
-        engine.start_loads([BlockTransfer(2, [5], [2])])
+
+    def step(background_job: int, step_job: int) -> None:
+        engine.start_background_loads([BlockTransfer(background_job, [6], [0])])
+        engine.start_loads([BlockTransfer(step_job, [5], [2])])
         for name, t in caches.items():
             engine.wait_for_layer_load(name)
             t[3].add_(1)
         engine.finish_step()
+
+    # The same step once ungated: a kernel's first launch loads its module, which
+    # waits for the device (the gate included); serving starts with them loaded.
+    step(3, 4)
+    engine.wait_all()
+    assert engine.poll_finished() == FinishedJobs(loads={3, 4})
+    gate = _StreamGate(engine._background_stream)
+    try:
+        step(1, 2)
         torch.cuda.current_stream().synchronize()  # the step, not the background load
         assert not gate.opened_by_watchdog, "a call waited for the background stream"
         assert engine.poll_finished().loads == {2}
