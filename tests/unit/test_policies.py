@@ -16,7 +16,7 @@ from vllm_cpu_offload.scheduler.policies import (
     S3FIFOPolicy,
     make_policy,
 )
-from vllm_cpu_offload.scheduler.policies.prefix_aware import PROTECTING, AdmissionDuel
+from vllm_cpu_offload.scheduler.policies.admission_duel import PROTECTING, AdmissionDuel
 
 
 def store(pool: HostBlockPool, keys: list[object], parent: object = None) -> int:
