@@ -29,7 +29,8 @@ block is reused at least as often as any of its descendants. So:
    wins depends on the pool size against the workload, so the policy measures them: a
    small shadow LRU cache per rule replays a hash sample of the keys (spatial sampling,
    as in SHARDS), and the pool follows the rule whose shadow beats admit-all's by the
-   most, if any does by more than sampling noise (set dueling, as in DIP).
+   most, if any does by more than sampling noise (set dueling, as in DIP). The duel
+   and its shadows are in `admission_duel.py`.
 4. History. Keys that left (or were refused) are remembered, `history_factor` times as
    many as the pool holds. A key recalled from the history has proven a reuse: it is
    admitted while guarding, and starts protected. How far back a recall may reach is
