@@ -7,8 +7,9 @@ windows, keeping, protecting. Rules are scored against admit-all by a sign test 
 uses where exactly one of the two shadows hits (`AdmissionDuel`). Also here: keeping's
 one-in-`keep_every` credit (`KeepCredit`), which the pool and the keeping shadow share.
 
-Every use costs O(1) per shadow, amortized; the shadows hold a fixed number of keys
-(`shadow_blocks`, with histories of 1x, 2x and 4x that for the guarding ones).
+Every use costs O(1) per shadow, amortized; each shadow holds a bounded number of keys
+(from `shadow_blocks` to about twice that, however large the pool; the guarding ones
+also remember 1x, 2x and 4x that many).
 """
 
 from __future__ import annotations
