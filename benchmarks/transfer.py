@@ -27,6 +27,8 @@ Usage: python benchmarks/transfer.py [--shapes llama3-8b small] [--layouts lbhnc
            [--reps 7] [--threads N] [--sweep] [--run-sweep] (sweeps: CUDA only)
            [--staged-chunks 8 16] (CUDA only) [--in-vllm-worker] (CPU only) [--host-runs
            2 4 8] host slots in runs of K (offload_block_size of K blocks)
+           [--unpinned] (CUDA: an unpinned host buffer, as a tier on a disk file
+           system; `memcpy` is then pageable memory <-> device)
 """
 
 from __future__ import annotations
@@ -129,6 +131,17 @@ def copiers(
     """The copy methods of this machine, each behind its own transfer engine."""
     if device != "cuda":
         return {"ours": TransferEngine(caches, host)}
+    if not host.pinned:
+        # A tier CUDA could not pin: the engine's choice (the pinned bounce buffer)
+        # against torch copies straight from pageable memory (the path before it).
+        from vllm_cpu_offload.worker.copiers.torch_views import TorchBlockCopier
+
+        return {
+            "bounce": TransferEngine(caches, host),
+            "torch": TransferEngine(
+                caches, host, copier=TorchBlockCopier(caches, host)
+            ),
+        }
     from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
     from vllm_cpu_offload.worker.copiers.staged import GATHERS, StagedBlockCopier
     from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
@@ -154,7 +167,9 @@ def bench_shape(
     shape: Shape, args: argparse.Namespace, device: str, pattern: str, layout: str
 ) -> list[dict]:
     caches = make_caches(shape, args.device_blocks, device, layout)
-    host = HostBuffer.for_kv_caches(caches, args.host_blocks)
+    host = HostBuffer.for_kv_caches(
+        caches, args.host_blocks, pin=False if args.unpinned else None
+    )
     host.tensor.fill_(2)
     engines = copiers(caches, host, device, args.staged_chunks)
     n = min(args.batch, args.device_blocks, args.host_blocks)
@@ -254,7 +269,8 @@ def bench_shape(
     # On CPU copies never run beside compute.
     if device == "cuda" and pattern == "scattered":
         copies = [m for m in (*engines, "memcpy")]
-        rows += matmul_slowdown(label, methods, copies, timer, device)
+        if host.pinned:  # unpinned copies hold the host: nothing runs beside them
+            rows += matmul_slowdown(label, methods, copies, timer, device)
         for row in queue_cost(engines, caches, n):
             rows.append({"shape": label, "ids": pattern, "direction": "load", **row})
     return rows
@@ -341,7 +357,9 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     rows = []
     shape = SHAPES["llama3-8b"]
     caches = make_caches(shape, args.device_blocks, "cuda", "flash")
-    host = HostBuffer.for_kv_caches(caches, args.host_blocks)
+    host = HostBuffer.for_kv_caches(
+        caches, args.host_blocks, pin=False if args.unpinned else None
+    )
     n = min(args.batch, args.device_blocks, args.host_blocks)
     d = torch.randperm(args.device_blocks)[:n].cuda()
     h = torch.randperm(args.host_blocks)[:n].cuda()
@@ -625,6 +643,12 @@ def main() -> None:
         type=int,
         default=[8],
         help="CUDA: blocks per chunk of the staged copiers (one copier pair per value)",
+    )
+    parser.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="CUDA: a host buffer left unpinned (a tier on a disk file system): "
+        "the bounce copier against torch copies",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

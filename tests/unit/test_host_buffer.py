@@ -116,8 +116,9 @@ def test_a_mapped_tier_that_cannot_be_pinned_runs_unpinned(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Kernels refuse long-term pins of some file systems' pages: a --swap-space-path
-    # tier then runs unpinned (torch copies) with a warning naming the fix, and CUDA's
-    # last error is cleared so that the next launch does not report it as its own.
+    # tier then runs unpinned (copied through the pinned bounce buffer) with a warning
+    # naming the fix, and CUDA's last error is cleared so that the next launch does not
+    # report it as its own.
     cleared: list[bool] = []
     monkeypatch.setattr(host_buffer, "_host_register", lambda ptr, size: 1)
     monkeypatch.setattr(host_buffer, "_clear_cuda_error", lambda: cleared.append(True))

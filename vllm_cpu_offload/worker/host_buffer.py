@@ -18,7 +18,8 @@ with `cudaHostRegister` instead of asking torch for pinned memory: torch's pinne
 allocator rounds every request up to a power of two, so a 40 GiB `--swap-space` would
 lock 64 GiB. With `--swap-space-path` the same layout lives in a shared mapping of a
 file that outlives the process (`data_file=`, persist/data_file.py), pinned where the
-kernel allows it (tmpfs, not a disk file system: there the tier runs unpinned). The
+kernel allows it (tmpfs, not a disk file system: there the tier runs unpinned, reached
+through a pinned bounce buffer, `copiers/bounce.py`). The
 same layout can live in device memory (`device=`): a few blocks of staging for copies
 that move whole blocks over PCIe (`copiers/staged.py`). Of third-party modules it
 imports torch only.
@@ -178,7 +179,8 @@ def _pin_mapped_file(t: torch.Tensor, path: str) -> bool:
         return True
     logger.warning(
         "--swap-space-path %s: CUDA cannot page-lock memory mapped from this file "
-        "system (%s); the host tier runs unpinned, with slower copies. Put "
+        "system (%s); the host tier runs unpinned, copied through a pinned bounce "
+        "buffer at about half the speed. Put "
         "--swap-space-path on a tmpfs (e.g. /dev/shm/vllm-kv) to pin it.",
         path,
         why,

@@ -9,6 +9,10 @@ On the CPU platform, torch views both ways. On CUDA, by `copy_backend`:
               on the copy engines where every run is at least `DMA_MIN_RUN_BYTES`
               (they leave the forward's SMs alone), else on the kernels
 
+A host buffer CUDA could not pin (a `--swap-space-path` tier on a disk file system)
+is reached through a pinned bounce buffer (`bounce.py`) by the same kernels or copy
+engines.
+
 A candidate that cannot be built, or fails the start-up check, gives way to the next
 (copy engines, then kernels, then torch copies: slower, still correct).
 
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_cpu_offload.worker.copiers.base import BlockCopier, ids_on_host
+from vllm_cpu_offload.worker.copiers.bounce import BounceBlockCopier
 from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
 from vllm_cpu_offload.worker.copiers.staged import StagedBlockCopier
 from vllm_cpu_offload.worker.copiers.torch_views import TorchBlockCopier
@@ -84,11 +89,13 @@ def select_copiers(
         copier = TorchBlockCopier(caches, host)
         return Copiers(copier, copier)
     if not host.pinned:
-        logger.warning(
-            "KV offload copies use torch copies: the host buffer is not pinned"
-        )
-        copier = TorchBlockCopier(caches, host)
-        return Copiers(copier, copier)
+        bounce = first_passing(caches, host, [("pinned bounce", _bounce(backend))])
+        if bounce is None:
+            logger.warning(
+                "KV offload copies use torch copies: the host buffer is not pinned"
+            )
+            bounce = TorchBlockCopier(caches, host)
+        return Copiers(bounce, bounce)
     if backend == "staged":
         staged = first_passing(caches, host, [("staged", _staged)])
         if staged is not None:
@@ -167,6 +174,20 @@ def _kernels_or_dma(caches: Caches, host: HostBuffer, *, dma: bool) -> BlockCopi
         "KV offload copies fall back to torch copies (slower, still correct)"
     )
     return TorchBlockCopier(caches, host)
+
+
+def _bounce(backend: str) -> CopierFactory:
+    """Copies for an unpinned host buffer through a pinned one (`bounce.py`), whose
+    device hop is the kernels or, if asked for, the copy engines."""
+
+    def make(caches: Caches, host: HostBuffer) -> BlockCopier:
+        return BounceBlockCopier(
+            caches,
+            host,
+            lambda c, pinned: _kernels_or_dma(c, pinned, dma=backend == "dma"),
+        )
+
+    return make
 
 
 def _staged(caches: Caches, host: HostBuffer) -> BlockCopier:
