@@ -21,6 +21,10 @@ events so that compute waits only for what it reads and never for a store:
     poll_finished()         event.query(): jobs whose completion event fired; never
                             blocks
 
+A copier that finishes a store on the host after the stream (the bounce copier of a
+tier CUDA cannot pin) returns that part as `HostWork`; the batch is done when both its
+event and that work are.
+
 On the CPU platform the same calls copy synchronously (loads at `start_loads`, this
 step's stores all at once in `finish_step`), and everything is finished when
 `finish_step` returns.
@@ -42,6 +46,8 @@ import torch
 from vllm_cpu_offload.block_transfer import BlockTransfer
 from vllm_cpu_offload.worker.copiers.base import (
     BlockCopier,
+    HostWork,
+    finish_on_host,
     ids_on_host,
     loads_whole_blocks,
 )
@@ -84,13 +90,32 @@ class _Batch:
     layers_done: set[str] = field(default_factory=set)
     layer_calls: Counter[str] = field(default_factory=Counter)  # store hooks per tensor
     failed: bool = False
+    # What the copier finishes on the host after the stream (`HostWork`).
+    host_work: list[HostWork] = field(default_factory=list)
+
+
+class _StreamThenHost:
+    """Done when a stream's event has fired and the host work queued behind it is
+    done: the completion of a batch with `HostWork`."""
+
+    def __init__(self, event: torch.cuda.Event, work: list[HostWork]) -> None:
+        self._event = event
+        self._work = work
+
+    def query(self) -> bool:
+        return self._event.query() and all(w.query() for w in self._work)
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+        for w in self._work:
+            w.synchronize()
 
 
 @dataclass
 class _Pending:
     """Jobs whose copies are queued; done when `event` has fired."""
 
-    event: torch.cuda.Event
+    event: torch.cuda.Event | _StreamThenHost
     job_ids: list[int]
     is_store: bool
     keep_alive: list[_Batch]
@@ -335,7 +360,7 @@ class TransferEngine:
             if layers is None
             else list(dict.fromkeys(self._canonical[n] for n in layers))
         )
-        copier.copy(to_host, d, h, names)
+        finish_on_host(copier.copy(to_host, d, h, names))
 
     # ---- internals ----
 
@@ -419,7 +444,9 @@ class TransferEngine:
         """Copies these layers (None: all) on the current stream; a raise fails the
         batch."""
         try:
-            copier.copy(to_host, *self._ids(copier, batch), names)
+            work = copier.copy(to_host, *self._ids(copier, batch), names)
+            if work is not None:
+                batch.host_work.append(work)
             return True
         except Exception:
             logger.exception(
@@ -433,8 +460,10 @@ class TransferEngine:
         """CPU: all layers at once; if that raises, job by job so only the bad ones
         fail."""
         try:
-            self._copier_for(to_host).copy(
-                to_host, batch.device_ids, batch.host_ids, None
+            finish_on_host(
+                self._copier_for(to_host).copy(
+                    to_host, batch.device_ids, batch.host_ids, None
+                )
             )
             return
         except Exception:
@@ -448,7 +477,7 @@ class TransferEngine:
             h = batch.host_ids[offset : offset + n]
             offset += n
             try:
-                self._copier_for(to_host).copy(to_host, d, h, None)
+                finish_on_host(self._copier_for(to_host).copy(to_host, d, h, None))
                 ok.append(job_id)
             except Exception:
                 logger.exception("copy of job %d failed", job_id)
@@ -462,4 +491,5 @@ class TransferEngine:
             return
         event = torch.cuda.Event()
         event.record(stream)
-        self._pending.append(_Pending(event, batch.job_ids, is_store, [batch]))
+        done = _StreamThenHost(event, batch.host_work) if batch.host_work else event
+        self._pending.append(_Pending(done, batch.job_ids, is_store, [batch]))

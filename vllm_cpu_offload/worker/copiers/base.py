@@ -10,6 +10,10 @@ Capabilities are class attributes a copier may set:
 - `whole_block_loads`: a load of every layer is one call, so the engine queues it once
   and each layer's wait covers the whole load.
 
+A copier that finishes part of a copy on the host, after the stream has passed it (the
+bounce copier's stores), returns that part from `copy` as `HostWork`: the copy is done
+once the stream has passed the launch and the host work is done.
+
 Imports torch only.
 """
 
@@ -19,6 +23,18 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+
+
+class HostWork(Protocol):
+    """The host's part of a copy, running off the calling thread."""
+
+    def query(self) -> bool:
+        """Whether it is done; raises RuntimeError if it failed. Never blocks."""
+        ...
+
+    def synchronize(self) -> None:
+        """Blocks until it is done; raises RuntimeError if it failed."""
+        ...
 
 
 class BlockCopier(Protocol):
@@ -35,7 +51,14 @@ class BlockCopier(Protocol):
         device_ids: torch.Tensor,
         host_ids: torch.Tensor,
         layers: Sequence[str] | None = None,
-    ) -> None: ...
+    ) -> HostWork | None: ...
+
+
+def finish_on_host(work: HostWork | None) -> None:
+    """Waits for a copy's host work, if any: synchronous callers (the CPU path, the
+    start-up check, benchmarks) see the copy whole."""
+    if work is not None:
+        work.synchronize()
 
 
 def ids_on_host(copier: BlockCopier) -> bool:

@@ -9,17 +9,20 @@ whole batches between the caches and a small pinned buffer of the same layout (o
 launch of a pinned copier: kernels or copy engines), and the host side moves rows
 between that buffer and the tier with one indexed copy:
 
-    store   device blocks -> bounce rows 0..k (pinned copier); wait for the stream;
-            bounce rows -> tier rows (host copy)
-    load    wait until the device no longer reads the bounce rows; tier rows -> bounce
-            rows (host copy); bounce rows -> device blocks (pinned copier), left queued
+    store   device blocks -> bounce rows 0..k (pinned copier), queued; then, on a
+            thread of its own, once the stream has passed it: bounce rows -> tier
+            rows (host copy). `copy` returns that host hop (`HostWork`): the engine
+            reports the store when it is done.
+    load    wait until no device hop or host hop still uses the bounce rows; tier
+            rows -> bounce rows (host copy); bounce rows -> device blocks (pinned
+            copier), left queued
 
-Batches larger than the bounce buffer go in chunks of its size. Both capabilities are
-set: ids on the host (stores wait for `finish_step`, one call for every layer, where
-the step's forward is already queued) and whole-block loads (one host copy per load).
-A store still holds the host until the copies queued before it are done, which is the
-cost of a tier the device cannot reach; on a tmpfs the tier is pinned and none of this
-runs.
+Batches larger than the bounce buffer go in chunks of its size, each waiting for the
+last to free the rows. Both capabilities are set: ids on the host (stores go at
+`finish_step`, one call for every layer) and whole-block loads (one host copy per
+load). The step's thread waits only where a copy needs rows that an earlier one still
+uses: a load right after a store waits for that store's forward; on a tmpfs the tier
+is pinned and none of this runs.
 
 Imports torch only.
 """
@@ -27,10 +30,11 @@ Imports torch only.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 
 import torch
 
-from vllm_cpu_offload.worker.copiers.base import BlockCopier, ids_on_host
+from vllm_cpu_offload.worker.copiers.base import BlockCopier, HostWork, ids_on_host
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
 # Pinned memory of one bounce buffer: 128 of Llama-3-8B's 2 MiB blocks (16 tokens) per
@@ -81,6 +85,10 @@ class BounceBlockCopier:
         # The last load's device hop: the bounce rows are free once it has run.
         self._read_done = torch.cuda.Event() if self._on_cuda else None
         self._read_pending = False
+        # Stores' host hops, in order, on one thread of their own; the last one queued
+        # holds the bounce rows until it is done.
+        self._hops = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-bounce")
+        self._hop: futures.Future[None] | None = None
 
     @property
     def bounce_blocks(self) -> int:
@@ -92,37 +100,56 @@ class BounceBlockCopier:
         device_ids: torch.Tensor,
         host_ids: torch.Tensor,
         layers: Sequence[str] | None = None,
-    ) -> None:
+    ) -> HostWork | None:
+        """Loads are queued on the current stream when this returns; a store returns
+        its host hop, which ends after the stream has passed the store."""
         d_all = torch.as_tensor(device_ids, dtype=torch.int64).cpu()
         h_all = torch.as_tensor(host_ids, dtype=torch.int64).cpu()
         step = self.bounce_blocks
+        hops = []
         for start in range(0, d_all.numel(), step):
             d = d_all[start : start + step]
             h = h_all[start : start + step]
             if to_host:
-                self._store(d, h, layers)
+                hops.append(self._store(d, h, layers))
             else:
                 self._load(d, h, layers)
+        return _HostHop(hops) if hops else None
 
     def _store(
         self, d: torch.Tensor, h: torch.Tensor, layers: Sequence[str] | None
-    ) -> None:
+    ) -> futures.Future[None]:
         slots = self._slots[: d.numel()]
-        if self._read_pending:
-            # A load queued on another stream may still read these rows.
-            assert self._read_done is not None
-            torch.cuda.current_stream(self._device).wait_event(self._read_done)
-        self._inner.copy(True, self._for_inner(d), slots, layers)
+        self._wait_for_hop()
+        event = None
         if self._on_cuda:
-            torch.cuda.current_stream(self._device).synchronize()
-            self._read_pending = False
-        for tier, bounce in self._row_views(layers, words=True):
-            tier.index_copy_(0, h, bounce[: d.numel()])
+            stream = torch.cuda.current_stream(self._device)
+            if self._read_pending:
+                # A load queued on another stream may still read these rows.
+                assert self._read_done is not None
+                stream.wait_event(self._read_done)
+            self._inner.copy(True, self._for_inner(d), slots, layers)
+            event = torch.cuda.Event()
+            event.record(stream)
+        else:
+            self._inner.copy(True, self._for_inner(d), slots, layers)
+        pairs = self._row_views(layers, words=True)
+        count = d.numel()
+
+        def hop() -> None:
+            if event is not None:
+                event.synchronize()
+            for tier, bounce in pairs:
+                tier.index_copy_(0, h, bounce[:count])
+
+        self._hop = self._hops.submit(hop)
+        return self._hop
 
     def _load(
         self, d: torch.Tensor, h: torch.Tensor, layers: Sequence[str] | None
     ) -> None:
         slots = self._slots[: d.numel()]
+        self._wait_for_hop()  # a store's hop still reads the bounce rows
         if self._read_pending:
             assert self._read_done is not None
             self._read_done.synchronize()
@@ -133,6 +160,13 @@ class BounceBlockCopier:
         if self._read_done is not None:
             self._read_done.record(torch.cuda.current_stream(self._device))
             self._read_pending = True
+
+    def _wait_for_hop(self) -> None:
+        """Blocks until the last store's host hop has read the bounce rows. Its failure
+        is its own store's to report (`_HostHop`), not the next copy's."""
+        if self._hop is not None:
+            self._hop.exception()  # waits; does not raise
+            self._hop = None
 
     def _for_inner(self, ids: torch.Tensor) -> torch.Tensor:
         if self._inner_ids_device.type == "cpu":
@@ -165,3 +199,27 @@ def _words(rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[-1] % dtype.itemsize == 0:
             return rows.view(dtype)
     return rows
+
+
+class _HostHop:
+    """A store's host hops (one per chunk), as `HostWork`: done once the thread has
+    copied every chunk's rows into the tier (each after its device hop: the thread
+    waits for the stream first)."""
+
+    __slots__ = ("_futures",)
+
+    def __init__(self, hops: list[futures.Future[None]]) -> None:
+        self._futures = hops
+
+    def query(self) -> bool:
+        if not all(f.done() for f in self._futures):
+            return False
+        self.synchronize()
+        return True
+
+    def synchronize(self) -> None:
+        for f in self._futures:
+            try:
+                f.result()
+            except Exception as e:
+                raise RuntimeError(f"host copy into the tier failed: {e}") from e

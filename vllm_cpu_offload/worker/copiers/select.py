@@ -35,7 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_cpu_offload.worker.copiers.base import BlockCopier, ids_on_host
+from vllm_cpu_offload.worker.copiers.base import (
+    BlockCopier,
+    finish_on_host,
+    ids_on_host,
+)
 from vllm_cpu_offload.worker.copiers.bounce import BounceBlockCopier
 from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
 from vllm_cpu_offload.worker.copiers.staged import StagedBlockCopier
@@ -145,14 +149,14 @@ def passes_start_up_check(
         1, dtype=torch.int64, device="cpu" if ids_on_host(probe) else cache.device
     )
     # Every layer at once, the way stores go.
-    probe.copy(True, zero, zero, None)
+    finish_on_host(probe.copy(True, zero, zero, None))
     _synchronize(cache)
     # A copy even on CPU, where .cpu() would return a view of the block itself.
     expected = layout.block_view(cache, 0).reshape(-1).to("cpu", copy=True)
     if not torch.equal(scratch.layer_view(name)[0], expected):
         return False
     # The same bytes back into the block they came from: the caches are unchanged.
-    probe.copy(False, zero, zero, None)
+    finish_on_host(probe.copy(False, zero, zero, None))
     _synchronize(cache)
     return torch.equal(layout.block_view(cache, 0).cpu().reshape(-1), expected)
 
