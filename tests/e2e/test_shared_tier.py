@@ -4,8 +4,8 @@ Real `vllm serve` processes (the API server module), bf16, one request at a time
 A reads documents and writes every block it stores through to the store. Server B, a
 fresh engine with an empty host tier, then reads the same documents: their blocks come
 from the store (loads that span steps), with the answers server A gives from its own
-cache, and a tenant's `cache_salt` reaches nothing of another's. An engine whose store is down answers the
-same documents exactly, recomputing them.
+cache, and a tenant's `cache_salt` reaches nothing of another's. An engine whose store
+is down answers the same documents exactly, recomputing them.
 """
 
 from __future__ import annotations
