@@ -357,9 +357,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     rows = []
     shape = SHAPES["llama3-8b"]
     caches = make_caches(shape, args.device_blocks, "cuda", "flash")
-    host = HostBuffer.for_kv_caches(
-        caches, args.host_blocks, pin=False if args.unpinned else None
-    )
+    host = HostBuffer.for_kv_caches(caches, args.host_blocks)
     n = min(args.batch, args.device_blocks, args.host_blocks)
     d = torch.randperm(args.device_blocks)[:n].cuda()
     h = torch.randperm(args.host_blocks)[:n].cuda()
