@@ -82,9 +82,9 @@ class BounceBlockCopier:
         self._slots = torch.arange(self._bounce.num_host_blocks, dtype=torch.int64).to(
             self._inner_ids_device
         )
-        # The last load's device hop: the bounce rows are free once it has run.
+        # The last load's device hop: the bounce rows are free once it has run. Until
+        # a load records it, waiting on it returns at once.
         self._read_done = torch.cuda.Event() if self._on_cuda else None
-        self._read_pending = False
         # Stores' host hops, in order, on one thread of their own; the last one queued
         # holds the bounce rows until it is done.
         self._hops = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-bounce")
@@ -121,18 +121,14 @@ class BounceBlockCopier:
     ) -> futures.Future[None]:
         slots = self._slots[: d.numel()]
         self._wait_for_hop()
+        if self._read_done is not None:
+            # A load queued on another stream may still read these rows.
+            torch.cuda.current_stream(self._device).wait_event(self._read_done)
+        self._inner.copy(True, self._for_inner(d), slots, layers)
         event = None
         if self._on_cuda:
-            stream = torch.cuda.current_stream(self._device)
-            if self._read_pending:
-                # A load queued on another stream may still read these rows.
-                assert self._read_done is not None
-                stream.wait_event(self._read_done)
-            self._inner.copy(True, self._for_inner(d), slots, layers)
             event = torch.cuda.Event()
-            event.record(stream)
-        else:
-            self._inner.copy(True, self._for_inner(d), slots, layers)
+            event.record(torch.cuda.current_stream(self._device))
         pairs = self._row_views(layers, words=True)
         count = d.numel()
 
@@ -150,16 +146,13 @@ class BounceBlockCopier:
     ) -> None:
         slots = self._slots[: d.numel()]
         self._wait_for_hop()  # a store's hop still reads the bounce rows
-        if self._read_pending:
-            assert self._read_done is not None
+        if self._read_done is not None:
             self._read_done.synchronize()
-            self._read_pending = False
         for tier, bounce in self._row_views(layers, words=False):
             torch.index_select(tier, 0, h, out=bounce[: d.numel()])
         self._inner.copy(False, self._for_inner(d), slots, layers)
         if self._read_done is not None:
             self._read_done.record(torch.cuda.current_stream(self._device))
-            self._read_pending = True
 
     def _wait_for_hop(self) -> None:
         """Blocks until the last store's host hop has read the bounce rows. Its failure
