@@ -97,6 +97,14 @@ def test_the_tier_survives_restarts_and_a_kill_with_exact_answers(
     with running_server(
         tiny_model, [*flags, "--shutdown-timeout", "30"]
     ) as first_server:
+        for d in docs:
+            complete(first_server, d)
+        cold_salted = complete(first_server, salted, cache_salt="tenant-a")
+        # The references for the reads from the tier: the same reads from this
+        # engine's cache. A cold answer is not one: on some CPUs (AMX) vLLM's prefill
+        # of a prompt whose prefix is cached differs in the last bits from a whole
+        # prefill, and greedy tokens of a random model can flip, with or without this
+        # plugin.
         first = [complete(first_server, d) for d in docs]
         first_salted = complete(first_server, salted, cache_salt="tenant-a")
         settled_metrics(first_server.url, until=idle)
@@ -108,13 +116,15 @@ def test_the_tier_survives_restarts_and_a_kill_with_exact_answers(
     with running_server(tiny_model, flags) as second:
         before = settled_metrics(second.url, until=idle)
         again = [complete(second, d) for d in docs]
+        assert [cached_tokens(r) for r in again] == [cached_tokens(r) for r in first]
         assert [text(r) for r in again] == [text(r) for r in first]
         assert all(cached_tokens(r) >= HITS for r in again), [r["usage"] for r in again]
         # Another tenant's salt reaches none of tenant A's blocks, restart or not.
         as_b = complete(second, salted, cache_salt="tenant-b")
-        assert cached_tokens(as_b) < BLOCK_SIZE and text(as_b) == text(first_salted)
+        assert cached_tokens(as_b) < BLOCK_SIZE and text(as_b) == text(cold_salted)
         as_a = complete(second, salted, cache_salt="tenant-a")
-        assert cached_tokens(as_a) >= HITS and text(as_a) == text(first_salted)
+        assert cached_tokens(as_a) == cached_tokens(first_salted) >= HITS
+        assert text(as_a) == text(first_salted)
         after = settled_metrics(second.url, until=idle)
         hit = after[OFFLOAD + "hit_tokens_total"] - before[OFFLOAD + "hit_tokens_total"]
         assert hit >= (DOCS + 1) * HITS
@@ -128,6 +138,9 @@ def test_the_tier_survives_restarts_and_a_kill_with_exact_answers(
 
     with running_server(tiny_model, flags) as third:
         after_kill = [complete(third, d) for d in docs]
+        assert [cached_tokens(r) for r in after_kill] == [
+            cached_tokens(r) for r in first
+        ]
         assert [text(r) for r in after_kill] == [text(r) for r in first]
         assert all(cached_tokens(r) >= HITS for r in after_kill)
         assert (
