@@ -35,11 +35,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from trace_replay import (  # noqa: E402
-    BLOCK_TOKENS,
     NEVER,
-    TRACE,
     OracleAdmitLru,
+    OracleAdmitTier,
     OurTier,
+    cached_keys,
+    load_requests,
     next_uses,
     replay,
 )
@@ -53,13 +54,6 @@ CAPACITIES = [8000, 12000, 16000, 32000]
 THRESHOLDS = [0.2, 0.25, 0.3, 0.35, 0.4]
 FEATURES = ["new", "prefix", "output", "arrival", "new x output", "all four"]
 DEVICE_BLOCKS = 1000
-
-
-def load() -> tuple[list[dict], list[list[int]]]:
-    with TRACE.open() as f:
-        raw = [json.loads(line) for line in f]
-    raw.sort(key=lambda r: r["timestamp"])  # as trace_replay.load_trace
-    return raw, [r["hash_ids"][: r["input_length"] // BLOCK_TOKENS] for r in raw]
 
 
 def request_buckets(raw: list[dict], trace: list[list[int]]) -> list[dict]:
@@ -142,7 +136,6 @@ class BucketTier(OurTier):
         else:
             self.policy = EvictFirstLru(capacity)
         self.pool = HostBlockPool(capacity, self.policy, record_events=False)
-        self.rule = rule
         self.likely = likely
 
     def serve(self, index: int, keys: Sequence[int], gpu_hits: int) -> int:
@@ -161,14 +154,13 @@ _BUCKETS: list[dict] = []
 
 def _init() -> None:
     global _TRACE, _UPCOMING, _BUCKETS
-    raw, _TRACE = load()
+    raw = load_requests()
+    _TRACE = [cached_keys(r) for r in raw]
     _UPCOMING = next_uses(_TRACE)
     _BUCKETS = request_buckets(raw, _TRACE)
 
 
 def _cell(job: tuple[str, str, float, int]) -> tuple[tuple, int]:
-    from trace_replay import OracleAdmitTier
-
     rule, feature, threshold, capacity = job
     tier: OurTier
     if rule == "lru":

@@ -221,14 +221,21 @@ class BeladyTier:
         return False
 
 
-def load_trace(limit: int | None) -> list[list[int]]:
+def load_requests(limit: int | None = None) -> list[dict]:
+    """The trace's records in arrival order."""
     with TRACE.open() as f:
         requests = [json.loads(line) for line in f]
     requests.sort(key=lambda r: r["timestamp"])  # stable: ties keep file order
-    if limit is not None:
-        requests = requests[:limit]
+    return requests if limit is None else requests[:limit]
+
+
+def cached_keys(request: dict) -> list[int]:
     # vLLM hashes only full blocks: a request's last, partial block is never cached.
-    return [r["hash_ids"][: r["input_length"] // BLOCK_TOKENS] for r in requests]
+    return request["hash_ids"][: request["input_length"] // BLOCK_TOKENS]
+
+
+def load_trace(limit: int | None) -> list[list[int]]:
+    return [cached_keys(r) for r in load_requests(limit)]
 
 
 def next_uses(
