@@ -46,12 +46,13 @@ class OffloadStepMetadata(KVConnectorMetadata):
 class OffloadWorkerReport(KVConnectorWorkerMetadata):
     """Jobs that finished on workers since the last report.
 
-    `finished` counts workers per job id, so the scheduler knows a job is done once
-    every worker reported it; `failed` holds jobs that failed on any worker.
+    `finished` and `failed` count workers per job id: a job is done once every worker
+    reported it, finished or failed (its blocks may still be read or written on a
+    worker until then), and it failed if any worker said so.
     """
 
     finished: Counter[int] = field(default_factory=Counter)
-    failed: set[int] = field(default_factory=set)
+    failed: Counter[int] = field(default_factory=Counter)
     # Async loads whose fetch ended: for each fetched host block, whether it arrived
     # (on every worker that reported: an AND over workers), and the workers counted.
     fetched: dict[int, list[bool]] = field(default_factory=dict)
@@ -65,7 +66,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
         assert isinstance(other, OffloadWorkerReport)
         return OffloadWorkerReport(
             self.finished + other.finished,
-            self.failed | other.failed,
+            self.failed + other.failed,
             all_of(self.fetched, other.fetched),
             self.fetch_reports + other.fetch_reports,
             self.written + other.written,

@@ -366,7 +366,63 @@ def test_cuda_failed_launch_is_reported() -> None:
     engine.start_loads([BlockTransfer(1, [4], [0])])
     _store_step(engine, list(caches), [BlockTransfer(2, [1], [1])])
     engine.wait_all()
-    assert engine.poll_finished() == FinishedJobs(stores={2}, failed={1})
+    assert engine.poll_finished() == FinishedJobs(stores={2}, failed={1}, broken={1})
+
+
+class _FailAtLayer:
+    """A copier that raises when asked to copy `bad_layer` (layers before it copy)."""
+
+    def __init__(self, inner: BlockCopier, bad_layer: str) -> None:
+        self.inner, self.bad_layer = inner, bad_layer
+
+    def copy(
+        self,
+        to_host: bool,
+        device_ids: torch.Tensor,
+        host_ids: torch.Tensor,
+        layers: Sequence[str] | None = None,
+    ) -> None:
+        if layers is None or self.bad_layer in layers:
+            raise RuntimeError("injected copy failure")
+        self.inner.copy(to_host, device_ids, host_ids, layers)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("direction", ["load", "store"])
+def test_cuda_a_launch_failing_at_a_layer_fails_its_job_after_the_queued_ones(
+    direction: str,
+) -> None:
+    # The copy of the last layer raises after the first layers' copies were queued on
+    # a held stream: the job is broken at once (this step must not trust its loaded
+    # blocks) but reported failed, releasing its blocks, only once those copies ran.
+    caches = _caches("cuda")
+    names = list(caches)
+    host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
+    from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
+
+    copier = _FailAtLayer(TritonBlockCopier(caches, host), names[-1])
+    engine = TransferEngine(caches, host, copier=copier)
+    engine._layerwise_stores = True
+    stream = engine._load_stream if direction == "load" else engine._store_stream
+    # The kernels' module loads at its first launch, which waits for the device.
+    engine.copy_blocks(direction == "store", [2], [3], names[:1])
+    torch.cuda.synchronize()
+    gate = _StreamGate(stream)
+    try:
+        if direction == "load":
+            engine.start_loads([BlockTransfer(1, [4], [0])])
+            for name in names:
+                engine.wait_for_layer_load(name)
+            engine.finish_step()
+        else:
+            _store_step(engine, names, [BlockTransfer(1, [4], [0])])
+        first = engine.poll_finished()
+        assert first == FinishedJobs(broken={1}), first
+    finally:
+        gate.open()
+    engine.wait_all()
+    assert engine.poll_finished() == FinishedJobs(failed={1})
 
 
 @pytest.mark.cuda

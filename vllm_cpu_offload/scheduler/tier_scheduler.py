@@ -86,6 +86,17 @@ class _JobInFlight:
     stored: list[StoredBlocks] | None = None  # for KV events, when they are on
     # async: the host blocks the workers fill from the shared store, in order
     fetched: list[BlockKey] = field(default_factory=list)
+    # Some worker reported it failed.
+    failed: bool = False
+
+
+@dataclass(frozen=True)
+class _Writing:
+    """A store job whose blocks wait until every worker wrote them through."""
+
+    keys: list[BlockKey]
+    stored: list[StoredBlocks] | None  # for KV events
+    success: bool  # every worker's store succeeded
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,9 @@ class _RequestState:
     # done. (An async load needs no such care: vLLM keeps the blocks of a request
     # that waits for remote KV until the workers report the load.)
     store_jobs: set[int] = field(default_factory=set)
+    # The load that spans steps, while the request waits for it (vLLM's
+    # WAITING_FOR_REMOTE_KVS).
+    async_job: int | None = None
 
 
 class HostTierScheduler:
@@ -181,9 +195,8 @@ class HostTierScheduler:
         # far, and how many workers reported
         self._fetch_results: dict[int, list[bool]] = {}
         self._fetch_reports: Counter[int] = Counter()
-        # store job -> blocks pinned until every worker wrote them through (and the
-        # job's record for KV events)
-        self._writing: dict[int, tuple[list[BlockKey], list[StoredBlocks] | None]] = {}
+        # store job -> blocks held until every worker wrote them through
+        self._writing: dict[int, _Writing] = {}
         self._write_reports: Counter[int] = Counter()
         # store job -> for each block, whether every worker that reported wrote it
         self._write_stored: dict[int, list[bool]] = {}
@@ -434,6 +447,7 @@ class HostTierScheduler:
         unloadable = [ids[j] for j in range(loaded_to, end)]
         job = self._new_job("async", request.request_id, host_keys)
         self._jobs[job].fetched = fetched
+        state.async_job = job
         self._step_async_loads.append(
             AsyncLoad(
                 load=BlockTransfer(job, device_ids, slots, req_id=request.request_id),
@@ -564,25 +578,10 @@ class HostTierScheduler:
         if report is not None:
             for job_id, arrived in report.fetched.items():
                 self._fetch_ended(job_id, arrived, report.fetch_reports[job_id])
-            for job_id in report.failed:
-                job = self._jobs.get(job_id)
-                if job is None:
-                    continue
-                if job.kind == "async":
-                    # Other workers may still write the request's device blocks from
-                    # the host blocks: the job ends when every worker reported it.
-                    self.stats.failed_loads += 1
-                    self._reports[job_id] += 1
-                    if self._reports[job_id] >= self.num_workers:
-                        self._complete(job_id, success=False)
-                else:
-                    self._complete(job_id, success=False)
+            for job_id, count in report.failed.items():
+                self._job_reported(job_id, count, failed=True)
             for job_id, count in report.finished.items():
-                if job_id not in self._jobs:
-                    continue
-                self._reports[job_id] += count
-                if self._reports[job_id] >= self.num_workers:
-                    self._complete(job_id, success=True)
+                self._job_reported(job_id, count, failed=False)
             for job_id, count in report.written.items():
                 self._write_ended(job_id, count, report.write_stored.get(job_id))
         released = {
@@ -591,6 +590,17 @@ class HostTierScheduler:
         for req_id in released:
             del self._awaiting_stores[req_id]
         return released
+
+    def _job_reported(self, job_id: int, count: int, *, failed: bool) -> None:
+        """`count` workers reported a job. It ends once every worker has, finished or
+        failed: until then another worker may still copy from or into its blocks."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        job.failed |= failed
+        self._reports[job_id] += count
+        if self._reports[job_id] >= self.num_workers:
+            self._complete(job_id, success=not job.failed)
 
     def _fetch_ended(self, job_id: int, arrived: list[bool], reports: int) -> None:
         """Workers' fetches of an async job ended: blocks that arrived on every worker
@@ -635,10 +645,12 @@ class HostTierScheduler:
 
     def _write_ended(self, job_id: int, count: int, stored: list[bool] | None) -> None:
         """`count` workers wrote a store job through (or gave up), `stored` saying
-        which blocks they wrote: once every worker did, its blocks may be evicted
-        again, and those every worker wrote are the store's (a KV event)."""
+        which blocks they wrote: once every worker did, no worker reads its host blocks
+        any more. They may then be evicted (a store that succeeded) or freed (one that
+        failed on some worker), and those every worker wrote are the store's (a KV
+        event)."""
         if job_id not in self._jobs and job_id not in self._writing:
-            return  # a failed store: nothing was pinned for it
+            return
         self._write_reports[job_id] += count
         if stored is not None:
             self._write_stored[job_id] = and_of(self._write_stored.get(job_id), stored)
@@ -646,18 +658,23 @@ class HostTierScheduler:
             return
         if self._write_reports[job_id] < self.num_workers:
             return
-        keys, runs = self._writing.pop(job_id)
+        writing = self._writing.pop(job_id)
         del self._write_reports[job_id]
-        flags = self._write_stored.pop(job_id, None) or [False] * len(keys)
-        self.pool.unpin(keys)
+        flags = self._write_stored.pop(job_id, None) or [False] * len(writing.keys)
+        if not writing.success:
+            self.pool.complete_store(writing.keys, False)
+            return
+        self.pool.unpin(writing.keys)
         if self.record_stored_blocks and any(flags):
+            keys = writing.keys
             written = tuple(key for key, ok in zip(keys, flags, strict=True) if ok)
             whole = len(written) == len(keys)
             self._remote_events.append(
-                RemoteTierEvent("stored", written, runs if whole else None)
+                RemoteTierEvent("stored", written, writing.stored if whole else None)
             )
 
     def _complete(self, job_id: int, success: bool) -> None:
+        """Every worker reported the job: no copy of it runs any more."""
         job = self._jobs.pop(job_id)
         self._reports.pop(job_id, None)
         if job.kind == "load":
@@ -671,16 +688,21 @@ class HostTierScheduler:
                 self._fetch_results.pop(job_id, None)
                 self._fetch_reports.pop(job_id, None)
             self.pool.unpin(job.keys)
+            if not success:
+                self.stats.failed_loads += 1
             return
-        self.pool.complete_store(job.keys, success, job.stored)
-        if success and self.remote is not None:
-            # Written through by every worker before its blocks may go.
-            self.pool.pin(job.keys)
-            self._writing[job_id] = (job.keys, job.stored)
+        if self.remote is None:
+            self.pool.complete_store(job.keys, success, job.stored)
+        else:
+            # A worker whose store succeeded writes its blocks through, reading them,
+            # whether or not another worker's store failed: they stay held until every
+            # worker's write ended. Those of a store that succeeded are visible
+            # meanwhile (pinned); those of a failed one stay STORING, then go.
+            if success:
+                self.pool.complete_store(job.keys, True, job.stored)
+                self.pool.pin(job.keys)
+            self._writing[job_id] = _Writing(job.keys, job.stored, success)
             self._write_ended(job_id, 0, None)
-        elif not success:
-            self._write_reports.pop(job_id, None)
-            self._write_stored.pop(job_id, None)
         if success:
             self.stats.stored_blocks += len(job.keys) * self.blocks_per_host_block
             stored = self.stats.stored_by_group
@@ -695,9 +717,19 @@ class HostTierScheduler:
             awaiting.discard(job_id)
 
     def request_finished(self, request: Request) -> bool:
-        """Returns True when the request's device blocks must outlive its stores."""
+        """Returns True when the request's device blocks must outlive its stores.
+
+        A request that still waits for a load spanning steps gets False: vLLM itself
+        holds the blocks of a request aborted in WAITING_FOR_REMOTE_KVS until the load
+        is reported (`finished_recving`), and a second hold would free them twice, the
+        second time for a request vLLM no longer knows. Its stores in flight are older
+        than these blocks: the request was preempted since, and the workers drained
+        them (`handle_preemptions`) before its blocks could be reused.
+        """
         state = self._requests.pop(request.request_id, None)
         if state is None or not state.store_jobs:
+            return False
+        if state.async_job in self._jobs:
             return False
         self._awaiting_stores[request.request_id] = state.store_jobs
         return True

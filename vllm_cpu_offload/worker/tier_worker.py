@@ -300,8 +300,14 @@ class HostTierWorker:
         self._load_seconds += time.perf_counter() - start
 
     def _collect(self, finished: FinishedJobs) -> None:
+        for job_id in finished.broken:
+            # A load of this step that will fail: the step's compute must not trust
+            # its blocks. It is reported failed (and its blocks released) once the
+            # copies already queued for it have run.
+            if job_id not in self._async_req:
+                self._load_errors.update(self._load_device_blocks.pop(job_id, ()))
         for job_id in finished.failed:
-            self._report.failed.add(job_id)
+            self._report.failed[job_id] += 1
             if job_id in self._load_device_blocks:
                 # vLLM recomputes the tokens of these blocks: a miss, never
                 # a wrong token.

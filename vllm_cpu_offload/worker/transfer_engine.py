@@ -31,7 +31,10 @@ step's stores all at once in `finish_step`), and everything is finished when
 
 A job whose ids are out of range, or whose copy raises, is reported failed (the
 connector turns that into a recompute); it never raises out of a step or leaves a job
-unreported. Imports torch (and, on CUDA, triton) only.
+unreported. A launch that raises at one layer after others were queued fails its jobs
+only once those queued copies have run (`FinishedJobs.broken` until then): a block is
+released only when nothing copies from or into it any more. Imports torch (and, on
+CUDA, triton) only.
 """
 
 from __future__ import annotations
@@ -67,14 +70,20 @@ Ids = Sequence[int] | torch.Tensor
 @dataclass
 class FinishedJobs:
     """Jobs that completed (or failed) since the last poll. A job is in exactly one
-    set."""
+    of `stores`, `loads` and `failed`.
+
+    `broken` are jobs known to fail whose copies already queued still run: the
+    blocks they load must not be trusted (this step's compute reads them), and their
+    host and device blocks must not be reused before the job shows in `failed`.
+    """
 
     stores: set[int] = field(default_factory=set)
     loads: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
+    broken: set[int] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads or self.failed)
+        return bool(self.stores or self.loads or self.failed or self.broken)
 
 
 @dataclass
@@ -119,6 +128,7 @@ class _Pending:
     job_ids: list[int]
     is_store: bool
     keep_alive: list[_Batch]
+    failed: bool = False  # a launch of the batch raised: the jobs fail once done
 
 
 class TransferEngine:
@@ -187,6 +197,7 @@ class TransferEngine:
         )
 
         self._failed: set[int] = set()
+        self._broken: set[int] = set()
         self._finished = FinishedJobs()
         self._pending: list[_Pending] = []
         # This step's state.
@@ -320,6 +331,8 @@ class TransferEngine:
                 continue
             if not done:
                 still.append(p)
+            elif p.failed:
+                self._failed.update(p.job_ids)
             elif p.is_store:
                 self._finished.stores.update(p.job_ids)
             else:
@@ -327,6 +340,7 @@ class TransferEngine:
         self._pending = still
         finished, self._finished = self._finished, FinishedJobs()
         finished.failed, self._failed = self._failed, set()
+        finished.broken, self._broken = self._broken, set()
         finished.stores -= finished.failed
         finished.loads -= finished.failed
         return finished
@@ -452,8 +466,10 @@ class TransferEngine:
             logger.exception(
                 "copy of layers %s failed; jobs %s fail", names, batch.job_ids
             )
+            # Copies of other layers may be queued already: the jobs are reported
+            # failed when the stream has run them (`_track`), broken until then.
             batch.failed = True
-            self._failed.update(batch.job_ids)
+            self._broken.update(batch.job_ids)
             return False
 
     def _run_sync(self, to_host: bool, batch: _Batch) -> None:
@@ -487,9 +503,12 @@ class TransferEngine:
     def _track(
         self, stream: torch.cuda.Stream, batch: _Batch, *, is_store: bool
     ) -> None:
-        if batch.failed:
-            return
+        """The batch's jobs end when what `stream` queued so far has run, a failed
+        batch's too: a launch that raised at one layer leaves the layers before it
+        queued, still reading or writing the jobs' blocks."""
         event = torch.cuda.Event()
         event.record(stream)
         done = _StreamThenHost(event, batch.host_work) if batch.host_work else event
-        self._pending.append(_Pending(done, batch.job_ids, is_store, [batch]))
+        self._pending.append(
+            _Pending(done, batch.job_ids, is_store, [batch], failed=batch.failed)
+        )
