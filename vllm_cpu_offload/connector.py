@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_cpu_offload.config import OffloadConfig
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.events import remote_kv_events, to_kv_events
+from vllm_cpu_offload.kv_identity import unshared_notice
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import (
     OffloadPromMetrics,
@@ -164,8 +165,17 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         url = self.offload_config.remote_url
         timeout_s = self.offload_config.remote_timeout_s
         namespace = namespace_of(vllm_config, self.kv_groups, k) if url else ""
+        if namespace is None:  # nothing identifies the weights: nothing to share under
+            url, namespace = None, ""
         self._remote_lookup: RemoteLookup | None = None
         if role == KVConnectorRole.SCHEDULER:
+            notice = unshared_notice(
+                vllm_config,
+                persisted=path is not None,
+                shared=self.offload_config.remote_url is not None,
+            )
+            if notice is not None:
+                logger.warning(notice)
             if len(self.kv_groups) > 1:
                 logger.info(
                     "CPU offload serves KV cache groups: %s", describe(self.kv_groups)

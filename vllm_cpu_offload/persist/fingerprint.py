@@ -6,26 +6,25 @@ multimodal inputs, `cache_salt`) and the parent's hash, rooted at `NONE_HASH`. v
 derives `NONE_HASH` from a fixed seed for sha256 and sha256_cbor, and from
 PYTHONHASHSEED when it is set; for xxhash without PYTHONHASHSEED the seed is random per
 process, and such keys would mean nothing after a restart: that combination is refused.
-The fingerprint then pins everything else a block's bytes depend on: model and weights,
-dtypes, block and KV layout, the worker's place in tensor and pipeline parallelism, the
-vLLM release and the hash that keys them.
+The fingerprint then pins everything else a block's bytes depend on (`kv_identity`, the
+same description the shared tier's namespace is made from) and the tier's size. Where
+nothing identifies the loaded weights, it holds a value of this start only: the tier
+starts empty every time.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
+import secrets
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from vllm_cpu_offload.errors import OffloadConfigError
+from vllm_cpu_offload.kv_identity import kv_identity
 
 # vLLM's non-cryptographic prefix-caching hashes: a random per-process NONE_HASH seed
 # unless PYTHONHASHSEED is set.
 _PER_PROCESS_SEEDED = ("xxhash", "xxhash_cbor")
-# vLLM's seed for the cryptographic hashes when PYTHONHASHSEED is not set.
-_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 
 def check_stable_block_hashes(hash_algo: str, flag: str) -> None:
@@ -39,27 +38,6 @@ def check_stable_block_hashes(hash_algo: str, flag: str) -> None:
         )
 
 
-def _seed_digest() -> str:
-    # The seed itself stays out of the files: only whether two engines share it.
-    seed = os.getenv("PYTHONHASHSEED", _DEFAULT_NONE_HASH_SEED)
-    return hashlib.sha256(seed.encode()).hexdigest()[:16]
-
-
-def _weights_digest(model: str) -> str:
-    """Names, sizes and modification times of a local model directory's files: a
-    checkpoint replaced in place changes it. A hub name is pinned by its name and
-    revision instead."""
-    directory = Path(model)
-    if not directory.is_dir():
-        return ""
-    h = hashlib.sha256()
-    for f in sorted(directory.iterdir()):
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
-
-
 def tier_fingerprint(
     vllm_config: Any,
     groups: Sequence[object],
@@ -68,28 +46,11 @@ def tier_fingerprint(
 ) -> dict[str, Any]:
     """The configuration a tier's index and data files were written for (JSON
     values)."""
-    # vLLM on use only, here and below: the flags check directories before it loads.
-    import vllm
-
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    return {
-        "vllm": vllm.__version__.split("+")[0],
-        "model": str(model.model),
-        "revision": str(model.revision),
-        "weights": _weights_digest(str(model.model)),
-        "dtype": str(model.dtype),
-        "kv_cache_dtype": str(cache.cache_dtype),
-        "block_size": int(cache.block_size),
-        "blocks_per_host_block": blocks_per_host_block,
-        "kv_cache_groups": [repr(g) for g in groups],
-        "tensor_parallel_size": int(parallel.tensor_parallel_size),
-        "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
-        "hash_algo": str(cache.prefix_caching_hash_algo),
-        "hash_seed": _seed_digest(),
-        "num_host_blocks": num_host_blocks,
-    }
+    fields = kv_identity(vllm_config, groups, blocks_per_host_block)
+    if fields["weights"] is None:
+        # Blocks of weights nobody can name again must not outlive this start.
+        fields["weights"] = f"unidentified (start {secrets.token_hex(4)})"
+    return {**fields, "num_host_blocks": num_host_blocks}
 
 
 def worker_names(vllm_config: Any) -> list[str]:

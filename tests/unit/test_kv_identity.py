@@ -1,0 +1,303 @@
+"""The shared tier's namespace and the persistent tier's fingerprint: one description of
+what a block's bytes depend on. Each thing that changes the bytes, changed alone,
+changes both; equal engines agree; weights that nothing identifies are never shared or
+restored."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from vllm_cpu_offload.persist.block_index import BlockIndex  # noqa: E402
+from vllm_cpu_offload.persist.data_file import TierDataFile  # noqa: E402
+from vllm_cpu_offload.persist.fingerprint import tier_fingerprint  # noqa: E402
+from vllm_cpu_offload.remote.namespace import namespace_of  # noqa: E402
+from vllm_cpu_offload.scheduler.kv_groups import KVGroup  # noqa: E402
+
+BLOCK_SIZE = 32
+GROUPS = (KVGroup(0),)
+HOST_BLOCKS = 8
+COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
+
+
+def vllm_config(model: str, **model_kwargs: Any) -> Any:
+    """A vLLM config as the connector receives it: the KV cache layout is resolved by
+    the engine core before either half of the connector is made."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=model, **model_kwargs),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+    )
+    config.cache_config.kv_cache_layout = "LBNHC"  # vLLM's NHD
+    return config
+
+
+def namespace(config: Any) -> str | None:
+    return namespace_of(config, GROUPS, 1)
+
+
+def fingerprint(config: Any) -> dict[str, Any]:
+    return tier_fingerprint(config, GROUPS, HOST_BLOCKS, 1)
+
+
+def as_hub_model(config: Any, cache_dir: Path, revision: str | None = None) -> Any:
+    """`config` as if its model had come from the hub with `cache_dir` as
+    `--download-dir`."""
+    config.model_config.model = "org/model"
+    config.model_config.revision = revision
+    config.load_config.download_dir = str(cache_dir)
+    return config
+
+
+def hub_snapshot(cache_dir: Path, commit: str) -> None:
+    """The Hugging Face cache after downloading org/model at `commit` as `main`."""
+    repo = cache_dir / "models--org--model"
+    (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+def _backend(name: str) -> Any:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum[name]
+
+
+def _set(path: str, value: Callable[[], Any]) -> Callable[[Any], None]:
+    def change(config: Any) -> None:
+        *parents, attr = path.split(".")
+        target = config
+        for p in parents:
+            target = getattr(target, p)
+        setattr(target, attr, value())
+
+    return change
+
+
+# One change at a time, each one that gives other KV bytes for the same tokens.
+CHANGES = {
+    "layout-NHD-to-HND": _set("cache_config.kv_cache_layout", lambda: "LBHNC"),
+    "attention-backend": _set(
+        "attention_config.backend", lambda: _backend("FLASHINFER")
+    ),
+    "attention-backend-per-kind": _set(
+        "attention_config.backend_per_kind",
+        lambda: {"full_attention": _backend("FLEX_ATTENTION")},
+    ),
+    "weight-quantization-fp8": _set("model_config.quantization", lambda: "fp8"),
+    "hf-overrides": _set(
+        "model_config.hf_overrides", lambda: {"max_position_embeddings": 8192}
+    ),
+    "rope-scaling": _set(
+        "model_config.hf_text_config.rope_parameters",
+        lambda: {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    ),
+    "kv-cache-quantization-skips-a-layer": _set(
+        "cache_config.kv_cache_dtype_skip_layers", lambda: ["0"]
+    ),
+    "decode-context-parallel": _set(
+        "parallel_config.decode_context_parallel_size", lambda: 2
+    ),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
+def test_each_change_of_the_kv_bytes_changes_namespace_and_fingerprint(
+    tiny_model: str, change: Callable[[Any], None]
+) -> None:
+    base, changed = vllm_config(tiny_model), vllm_config(tiny_model)
+    change(changed)
+    assert namespace(base) is not None and namespace(changed) is not None
+    assert namespace(changed) != namespace(base)
+    assert fingerprint(changed) != fingerprint(base)
+
+
+def test_equal_engines_agree_in_every_process(tiny_model: str) -> None:
+    # Two engines built alike, and a worker's pickled copy: one namespace, one
+    # fingerprint.
+    a, b = vllm_config(tiny_model), vllm_config(tiny_model)
+    worker_copy = pickle.loads(pickle.dumps(a))
+    assert namespace(a) == namespace(b) == namespace(worker_copy)
+    assert namespace(a) is not None and namespace(a).startswith("vco-")
+    assert fingerprint(a) == fingerprint(b) == fingerprint(worker_copy)
+
+
+def _write_checkpoint(
+    folder: Path, k_scale: float = 0.5, scale_name: str = "k_scale", seed: int = 0
+) -> None:
+    """A safetensors checkpoint over 1 MiB: two weights with a KV-cache scale between
+    them (out of reach of any sampled run)."""
+    rng = random.Random(seed)
+    tensors = {
+        "layers.0.attn.qkv.weight": rng.randbytes(1 << 20),
+        f"layers.0.attn.{scale_name}": struct.pack("<f", k_scale),
+        "layers.0.mlp.weight": rng.randbytes(1 << 20),
+    }
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, data in tensors.items():
+        header[name] = {
+            "dtype": "U8",
+            "shape": [len(data)],
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    folder.mkdir(exist_ok=True)
+    (folder / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values())
+    )
+
+
+@pytest.fixture
+def local_model(tiny_model: str, tmp_path: Path) -> Path:
+    """The tiny model's configs and tokenizer with a checkpoint of our own."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    _write_checkpoint(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "rewrite",
+    [
+        lambda f: _write_checkpoint(f, k_scale=0.25),
+        lambda f: _write_checkpoint(f, scale_name="v_scale"),
+        lambda f: _write_checkpoint(f, seed=1),
+    ],
+    ids=["recalibrated-kv-scale", "header-only", "fine-tune-of-the-same-shape"],
+)
+def test_weights_rewritten_to_the_same_size_change_the_namespace(
+    local_model: Path, rewrite: Callable[[Path], None]
+) -> None:
+    before = namespace(vllm_config(str(local_model)))
+    rewrite(local_model)
+    after = namespace(vllm_config(str(local_model)))
+    assert before is not None and after is not None and after != before
+
+
+def test_a_copy_of_the_same_weights_shares(local_model: Path) -> None:
+    # Machines of a fleet hold their own copies, with their own modification times.
+    before = vllm_config(str(local_model))
+    os.utime(local_model / "model.safetensors", (1, 1))
+    assert namespace(vllm_config(str(local_model))) == namespace(before)
+
+
+def test_a_hub_model_is_named_by_the_snapshot_it_was_loaded_from(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    # No --revision: `main` moved between two engines' downloads.
+    hub_snapshot(tmp_path, COMMIT_A)
+    first = namespace(as_hub_model(vllm_config(tiny_model), tmp_path))
+    again = namespace(as_hub_model(vllm_config(tiny_model), tmp_path))
+    hub_snapshot(tmp_path, COMMIT_B)
+    moved = namespace(as_hub_model(vllm_config(tiny_model), tmp_path))
+    assert first is not None and first == again
+    assert moved is not None and moved != first
+
+
+def test_a_hub_model_with_nothing_that_names_its_weights_is_not_shared(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    config = as_hub_model(vllm_config(tiny_model), tmp_path / "empty-cache")
+    assert namespace(config) is None
+    assert fingerprint(config)["weights"] != fingerprint(config)["weights"]
+    from vllm_cpu_offload.kv_identity import unshared_notice
+
+    notice = unshared_notice(config, persisted=True, shared=True)
+    assert notice is not None and "\n" not in notice
+    assert "shared tier is off" in notice and "--revision" in notice
+    assert unshared_notice(config, persisted=False, shared=False) is None
+    pinned = as_hub_model(vllm_config(tiny_model), tmp_path, revision="v1")
+    assert namespace(pinned) is not None
+    assert unshared_notice(pinned, persisted=True, shared=True) is None
+
+
+def test_weights_streamed_from_an_object_store_are_not_shared(tiny_model: str) -> None:
+    config = vllm_config(tiny_model)
+    config.model_config.model_weights = "s3://bucket/model"
+    assert namespace(config) is None
+
+
+@pytest.mark.parametrize("identified", [True, False])
+def test_a_tier_of_unidentified_weights_starts_empty_at_every_start(
+    tiny_model: str, tmp_path: Path, identified: bool
+) -> None:
+    def start() -> tuple[TierDataFile, BlockIndex, list[Any]]:
+        config = vllm_config(tiny_model)
+        if not identified:
+            as_hub_model(config, tmp_path / "empty-cache")
+        fp = fingerprint(config)
+        data = TierDataFile(str(tier), "tp0-pp0", fp)
+        data.map(HOST_BLOCKS, 64, {"layer": "layout"})
+        index = BlockIndex(str(tier), fp, HOST_BLOCKS, ["tp0-pp0"])
+        return data, index, index.open()
+
+    tier = tmp_path / "tier"
+    tier.mkdir(mode=0o700)
+    data, index, _ = start()
+    index.record([(0, (0, bytes(32)), None)])
+    index.close()
+    data.close()
+    _, _, restored = start()
+    assert len(restored) == (1 if identified else 0)
+
+
+def test_the_connector_runs_without_the_shared_tier_and_says_so_once(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    from vllm_cpu_offload import connector as connector_module
+
+    def no_store(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an engine that shares nothing opened the store")
+
+    warnings: list[str] = []
+    monkeypatch.setattr(connector_module, "open_store", no_store)
+    monkeypatch.setattr(connector_module.logger, "warning", warnings.append)
+    config = as_hub_model(vllm_config(tiny_model), tmp_path)
+    page_bytes = BLOCK_SIZE * 2 * 4
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="CPUOffloadConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "swap_space_gib": 64 * page_bytes / (1 << 30),
+            "remote_url": "redis://127.0.0.1:9",
+        },
+    )
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    kv_config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    connector = connector_module.CPUOffloadConnector(
+        config, KVConnectorRole.SCHEDULER, kv_config
+    )
+    assert connector._remote_lookup is None
+    assert connector.scheduler is not None and connector.scheduler.namespace == ""
+    assert len(warnings) == 1 and "shared tier is off" in warnings[0]

@@ -1,0 +1,162 @@
+"""What a KV block's bytes depend on besides its tokens: one description, from which the
+persistent tier's fingerprint and the shared tier's namespace are both made.
+
+Two engines may exchange a block only when they would have written the same bytes for
+it. Those depend on:
+- the weights actually loaded (`weights_identity`), how they were loaded and quantized
+  (`--quantization`, its config), the dtype, the speculative method and draft model
+  (their layers' KV is in the same blocks);
+- what reshapes the model's attention: `hf_overrides` and the rope parameters;
+- how K and V are stored: the KV-cache dtype and the layers it skips (their scales come
+  with the weights), the attention backend named in the config, and the resolved KV
+  cache layout, which fixes the byte order inside a block (`LBNHC` is vLLM's NHD,
+  `LBHNC` its HND: the same block size, other bytes);
+- the blocks: block size, host block size, KV cache groups;
+- each rank's share: tensor, pipeline and context parallel sizes;
+- the keys: the prefix-caching hash and a digest of its seed; the vLLM release.
+`max_model_len` and the scheduler's settings change no byte and stay out. With
+`VLLM_ATTENTION_BACKEND` gone in vLLM 0.32, a backend chosen automatically is the
+platform's; the layout it resolves is recorded either way.
+
+Where nothing identifies the weights, `weights` is None: the shared tier shares nothing
+and the persistent tier restores nothing, and `unshared_notice` says so in one line.
+This module imports vLLM on use only (the flags import `persist` before vLLM loads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_cpu_offload.weights_identity import weights_identity
+
+# vLLM's seed for the cryptographic hashes when PYTHONHASHSEED is not set.
+_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+
+def kv_identity(
+    vllm_config: Any, groups: Sequence[object], blocks_per_host_block: int
+) -> dict[str, Any]:
+    """Everything this engine's KV bytes depend on (JSON values); `weights` is None
+    where nothing identifies the loaded weights."""
+    import vllm
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    load = vllm_config.load_config
+    speculative = vllm_config.speculative_config
+    return {
+        "vllm": vllm.__version__.split("+")[0],
+        "model": str(model.model),
+        "weights": weights_identity(model, load.download_dir),
+        "load_format": str(load.load_format),
+        "dtype": str(model.dtype),
+        "quantization": _jsonable(model.quantization),
+        "quantization_config": _jsonable(model.quantization_config),
+        "hf_overrides": _jsonable(model.hf_overrides),
+        "rope": _rope_of(model),
+        "speculative": (
+            None
+            if speculative is None
+            else _jsonable([speculative.method, speculative.model])
+        ),
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "kv_cache_dtype_skip_layers": _jsonable(cache.kv_cache_dtype_skip_layers),
+        "kv_cache_layout": _layout_of(cache),
+        "attention_backend": _backend_of(vllm_config.attention_config),
+        "block_size": int(cache.block_size),
+        "blocks_per_host_block": blocks_per_host_block,
+        "kv_cache_groups": [repr(g) for g in groups],
+        "tensor_parallel_size": int(parallel.tensor_parallel_size),
+        "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
+        "context_parallel_sizes": [
+            int(parallel.prefill_context_parallel_size),
+            int(parallel.decode_context_parallel_size),
+        ],
+        "hash_algo": str(cache.prefix_caching_hash_algo),
+        "hash_seed": _seed_digest(),
+    }
+
+
+def unshared_notice(vllm_config: Any, *, persisted: bool, shared: bool) -> str | None:
+    """The start-up line for an engine whose weights nothing identifies, where a tier
+    would otherwise share or restore blocks; None where there is nothing to say."""
+    model = vllm_config.model_config
+    if not (persisted or shared):
+        return None
+    if weights_identity(model, vllm_config.load_config.download_dir) is not None:
+        return None
+    if model.model_weights:
+        what = f"the weights streamed from {model.model_weights}"
+        fix = "serve a local copy"
+    else:
+        what = (
+            f"the weights of {model.model} (a hub model with no --revision and no "
+            "snapshot in the Hugging Face cache)"
+        )
+        fix = "pin --revision or serve a local directory"
+    effects = []
+    if shared:
+        effects.append("the shared tier is off")
+    if persisted:
+        effects.append("the persistent tier starts empty at every start")
+    return f"CPU offload: nothing identifies {what}, so {' and '.join(effects)}; {fix}"
+
+
+def _rope_of(model: Any) -> Any:
+    # Transformers 5 and vLLM fold rope_scaling and rope_theta into rope_parameters;
+    # a config that predates it keeps them apart.
+    text = model.hf_text_config
+    params = getattr(text, "rope_parameters", None)
+    if params is None:
+        params = {
+            "rope_scaling": getattr(text, "rope_scaling", None),
+            "rope_theta": getattr(text, "rope_theta", None),
+        }
+    return _jsonable(params)
+
+
+def _layout_of(cache: Any) -> str | None:
+    # Resolved by the engine core before either half of the connector is made; the
+    # variable is what resolution will honour where a test builds a config by hand.
+    layout = cache.kv_cache_layout or os.getenv("VLLM_KV_CACHE_LAYOUT")
+    return None if layout is None else str(layout)
+
+
+def _backend_of(attention: Any) -> Any:
+    return _jsonable(
+        {"backend": attention.backend, "per_kind": attention.backend_per_kind}
+    )
+
+
+def _seed_digest() -> str:
+    # The seed itself stays out of files and keys: only whether two engines share it.
+    seed = os.getenv("PYTHONHASHSEED", _DEFAULT_NONE_HASH_SEED)
+    return hashlib.sha256(seed.encode()).hexdigest()[:16]
+
+
+def _jsonable(value: Any) -> Any:
+    """A JSON value that is the same in every process for equal configs (no object
+    addresses: the scheduler and the workers must derive the same namespace)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in sorted(value.items(), key=str)}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_jsonable(v) for v in value]
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(dataclasses.asdict(value))
+    if callable(value):
+        # A callable hf_overrides: named, since what it changes cannot be read off.
+        module = getattr(value, "__module__", "")
+        return f"{module}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    text = str(value)
+    return type(value).__qualname__ if " at 0x" in text else text
