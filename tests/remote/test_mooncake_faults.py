@@ -8,9 +8,13 @@ import os
 import time
 from collections.abc import Callable
 
-from vllm_cpu_offload.remote.mooncake_store import RemoteCallTimeout
 from vllm_cpu_offload.remote.registry import open_store
-from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError, Span
+from vllm_cpu_offload.remote.store import (
+    RemoteCallTimeout,
+    RemoteStore,
+    RemoteStoreError,
+    Span,
+)
 from vllm_cpu_offload.testing.store_servers import MooncakeServers
 
 from .conftest import HostMemory, wait_until_up

@@ -10,185 +10,35 @@ is the same state: construction never raises nor blocks.
 
 Values move without a copy: `put` sends the spans of host memory as they are and `get`
 writes into them (Mooncake's `*_multi_buffers` calls), so a value may be a header span
-and a block span. Memory named by `register` is registered with every client this store
-builds. Mooncake over TCP has no authentication: keep the master and the storage nodes
-on a private network.
+and a block span; a call past its timeout goes on using them (`RemoteCallTimeout`).
+The client's registered memory follows `register` and `unregister`: each change, and
+every recovery, brings the client in line with the live spans (a span unregistered
+first, since a new one may take its address), and a new client registers only the
+live ones. The store's thread runs these before any later call. Mooncake over TCP has
+no authentication: keep the master and the storage nodes on a private network.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import socket
 import threading
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
+from .bounded_call import BoundedCaller
 from .store import RemoteStore, RemoteStoreError, Span
 from .url import MOONCAKE_METADATA_PORT, RemoteUrl
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-_Job = tuple[Callable[[], Any], Future[Any]]
-# Queued to make the thread look at the store's state again; not run.
-_RECHECK: _Job = (lambda: None, Future())
 
 # Mooncake's per-key code that says the master did not answer (RPC_FAIL).
 _MASTER_DOWN = frozenset({-900})
 _PROBE_KEY = "vllm_cpu_offload/probe"
 _PROBE_TIMEOUT_S = 2.0
 _LOCAL_BUFFER_BYTES = {"scheduler": 0, "worker": 64 << 20}
-
-
-class RemoteCallTimeout(RemoteStoreError):
-    """A call ran past its timeout; it still runs on the store's thread until
-    `in_flight` is done. Until then a `get`'s spans may still be written (and a
-    `put`'s read): keep that host memory from other use until `in_flight.done()`."""
-
-    def __init__(self, message: str, in_flight: Future[Any]) -> None:
-        super().__init__(message)
-        self.in_flight = in_flight
-
-
-class BoundedCaller:
-    """One thread that runs a backend's blocking calls, each waited for at most its
-    timeout, and that reconnects the backend when it is down.
-
-    `recover` (run on the thread) makes the backend usable or raises; it runs first,
-    and again after every failure once the back-off (doubling from `min_backoff_s` to
-    `max_backoff_s`) has passed. While the backend is down `call` raises at once, so
-    no call queues behind a stuck one. `shutdown` runs on the thread when it exits.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        recover: Callable[[], None],
-        shutdown: Callable[[], None],
-        min_backoff_s: float = 0.2,
-        max_backoff_s: float = 5.0,
-    ) -> None:
-        self._name = name
-        self._recover = recover
-        self._shutdown = shutdown
-        self._min_backoff_s = min_backoff_s
-        self._max_backoff_s = max_backoff_s
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._up = threading.Event()
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._strikes = 0
-        self._retry_at = 0.0
-        self._reason = "connecting"
-        self._ever_up = False
-        self._down_logged = False  # one line per outage, one when it ends
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def is_up(self) -> bool:
-        return self._up.is_set()
-
-    def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
-        """`fn()` on the thread, waited for at most `timeout_s`; any failure raises
-        `RemoteStoreError` and marks the backend down."""
-        if self._closed:
-            raise RemoteStoreError(f"{self._name}: closed")
-        if not self._up.is_set():
-            raise RemoteStoreError(f"{self._name} is down ({self._reason})")
-        future: Future[T] = Future()
-        self._jobs.put((fn, future))
-        try:
-            result = future.result(timeout=timeout_s)
-        except FutureTimeout:
-            reason = f"{what} timed out after {timeout_s:g} s"
-            self.mark_down(reason)
-            raise RemoteCallTimeout(f"{self._name}: {reason}", future) from None
-        except RemoteStoreError as e:
-            self.mark_down(str(e))
-            raise
-        except Exception as e:  # noqa: BLE001 - any client failure is a store fault
-            reason = f"{what} failed ({type(e).__name__}: {e})"
-            self.mark_down(reason)
-            raise RemoteStoreError(f"{self._name}: {reason}") from e
-        with self._lock:
-            self._strikes = 0
-        return result
-
-    def submit(self, fn: Callable[[], object]) -> None:
-        """`fn()` on the thread without waiting (it runs before any later call)."""
-        if self._up.is_set() and not self._closed:
-            self._jobs.put((fn, Future()))
-
-    def mark_down(self, reason: str) -> None:
-        with self._lock:
-            self._up.clear()
-            self._strikes += 1
-            backoff = self._min_backoff_s * 2 ** min(self._strikes - 1, 16)
-            self._retry_at = time.monotonic() + min(backoff, self._max_backoff_s)
-            self._reason = reason
-            log, self._down_logged = not self._down_logged, True
-        # The thread may be waiting for a job with the store marked up: wake it to
-        # start the back-off.
-        self._jobs.put(_RECHECK)
-        if log and self._ever_up:
-            logger.warning("%s: %s; calls fail until it answers", self._name, reason)
-        elif log:
-            logger.warning(
-                "%s is unreachable (%s); running without it and connecting when it "
-                "answers",
-                self._name,
-                reason,
-            )
-
-    def close(self, wait_s: float = 2.0) -> None:
-        """Stops the thread; waits at most `wait_s` (a stuck call keeps it longer)."""
-        self._closed = True
-        self._wake.set()
-        self._jobs.put(None)
-        self._thread.join(wait_s)
-
-    def _run(self) -> None:
-        while not self._closed:
-            if not self._up.is_set():
-                delay = self._retry_at - time.monotonic()
-                if delay > 0:
-                    self._wake.wait(delay)
-                    self._wake.clear()
-                    continue
-                try:
-                    self._recover()
-                except Exception as e:  # noqa: BLE001 - retried after a back-off
-                    self.mark_down(f"{type(e).__name__}: {e}")
-                    continue
-                with self._lock:
-                    if self._down_logged:
-                        logger.info("%s answers", self._name)
-                    self._down_logged = False
-                    self._ever_up = True
-                    self._up.set()
-            job = self._jobs.get()
-            if job is None:
-                break
-            if job is _RECHECK:
-                continue
-            fn, future = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(e)
-        try:
-            self._shutdown()
-        except Exception:  # noqa: BLE001 - closing a broken client may fail too
-            logger.debug("%s: close failed", self._name, exc_info=True)
 
 
 class MooncakeRemoteStore(RemoteStore):
@@ -207,8 +57,13 @@ class MooncakeRemoteStore(RemoteStore):
         )
         self._protocol = url.option("protocol", "tcp") or "tcp"
         self._device = url.option("device", "") or ""
+        # Live spans and those unregistered since the client last caught up: written
+        # by the caller, read by the store's thread, under `_spans_lock`.
+        self._spans_lock = threading.Lock()
         self._spans: list[Span] = []
+        self._released: list[Span] = []
         self._client: Any = None
+        # What the client has registered now (the store's thread only).
         self._registered: set[Span] = set()
         self._caller = BoundedCaller(
             f"remote store {url}", recover=self._recover, shutdown=self._close_client
@@ -267,12 +122,23 @@ class MooncakeRemoteStore(RemoteStore):
         return [c == sum(s) for c, s in zip(codes, sizes, strict=True)]
 
     def register(self, span: Span) -> None:
-        """Remembers `span` and registers it with the client now (without waiting)
-        and with every client built after a reconnect."""
+        """Registers `span` with the client before any later call (at once if the
+        store is up, else when it recovers) and with every client built later."""
         if span.size <= 0:
             raise ValueError(f"cannot register an empty span: {span}")
-        self._spans.append(span)
-        self._caller.submit(self._register_spans_or_log)
+        with self._spans_lock:
+            self._spans.append(span)
+        self._caller.submit(self._sync_registrations_or_log)
+
+    def unregister(self, span: Span) -> None:
+        """Forgets `span`: the client unregisters it before any later call, and no
+        client registers it again."""
+        with self._spans_lock:
+            if span not in self._spans:
+                raise ValueError(f"{span} is not registered")
+            self._spans.remove(span)
+            self._released.append(span)
+        self._caller.submit(self._sync_registrations_or_log)
 
     def close(self) -> None:
         self._caller.close()
@@ -290,6 +156,8 @@ class MooncakeRemoteStore(RemoteStore):
         if self._client is not None:
             codes = self._client.batch_is_exist([_PROBE_KEY])
             if codes and codes[0] >= 0:
+                # Before any call: what changed while down, what failed to register.
+                self._sync_registrations_or_log()
                 return
             self._close_client()
         # A failed `setup` holds the GIL for 90 s (20 retries inside Mooncake), so
@@ -316,27 +184,48 @@ class MooncakeRemoteStore(RemoteStore):
         if rc != 0:
             raise RemoteStoreError(f"setup returned {rc}")
         self._client = client
-        self._registered = set()
-        self._register_spans()
+        self._sync_registrations_or_log()
 
-    def _register_spans_or_log(self) -> None:
+    def _sync_registrations_or_log(self) -> None:
         try:
-            self._register_spans()
+            self._sync_registrations()
         except RemoteStoreError as e:
             # Not fatal over TCP; over RDMA the calls on that memory will fail.
-            logger.warning("%s: %s (tried again on a reconnect)", self.description, e)
+            logger.warning(
+                "%s: %s (tried again on the next change)", self.description, e
+            )
 
-    def _register_spans(self) -> None:
-        for span in self._spans:
-            if span in self._registered or self._client is None:
-                continue
-            rc = self._client.register_buffer(span.address, span.size)
-            if rc != 0:
-                raise RemoteStoreError(f"register_buffer of {span} returned {rc}")
-            self._registered.add(span)
+    def _sync_registrations(self) -> None:
+        """Makes what the client registered the live spans: unregistered spans go
+        first (a span registered since may take a freed one's address)."""
+        if self._client is None:
+            return
+        with self._spans_lock:
+            released, self._released = self._released, []
+            live = list(self._spans)
+        failed: list[str] = []
+        for span in released:
+            if span in self._registered:
+                self._registered.discard(span)
+                rc = self._client.unregister_buffer(span.address)
+                if rc != 0:
+                    failed.append(f"unregister_buffer of {span} returned {rc}")
+        for span in live:
+            if span not in self._registered:
+                rc = self._client.register_buffer(span.address, span.size)
+                if rc == 0:
+                    self._registered.add(span)
+                else:
+                    failed.append(f"register_buffer of {span} returned {rc}")
+        if failed:
+            raise RemoteStoreError("; ".join(failed))
 
     def _close_client(self) -> None:
         client, self._client = self._client, None
+        # A new client knows nothing of the old one's registrations.
+        self._registered = set()
+        with self._spans_lock:
+            self._released = []
         if client is not None:
             client.close()
 

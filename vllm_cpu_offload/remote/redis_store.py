@@ -5,7 +5,9 @@ Each batch is one round trip: a pipeline of `SET key value NX` for `put` (a key 
 already counts as stored: a key names its bytes), `MGET` for `get` (a cluster splits it
 per slot), a pipeline of `EXISTS` for `exists`. Values are bytes: `put` copies the spans
 out before the call and `get` copies into them after it, both on the caller's thread, so
-no span is touched once a call has returned, timed out or not.
+no span is touched once a call has returned, timed out or not: a call past its timeout
+raises a plain `RemoteStoreError` (its late reply is dropped), never
+`RemoteCallTimeout`, and nothing needs registering.
 
 The calls run on the store's own thread (`BoundedCaller`), with the socket timeouts set
 from the call's timeout (one client per distinct timeout; a caller uses a few), and the
@@ -18,17 +20,19 @@ connection all mark the store down: calls fail at once with `RemoteStoreError` u
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from .mooncake_store import BoundedCaller
-from .store import RemoteStore, RemoteStoreError, Span
+from .bounded_call import BoundedCaller
+from .store import RemoteCallTimeout, RemoteStore, RemoteStoreError, Span
 from .url import RemoteUrl, remote_password
 
 # The timeout of the client the thread's reconnect probe uses.
 _PROBE_TIMEOUT_S = 2.0
 # Clients kept, one per distinct call timeout; past this the oldest is closed.
 _MAX_CLIENTS = 4
+
+T = TypeVar("T")
 
 
 class RedisRemoteStore(RemoteStore):
@@ -66,7 +70,7 @@ class RedisRemoteStore(RemoteStore):
                 pipe.exists(key)
             return list(pipe.execute())
 
-        return [n == 1 for n in self._caller.call(run, timeout_s, "exists")]
+        return [n == 1 for n in self._call(run, timeout_s, "exists")]
 
     def put(
         self, keys: Sequence[str], values: Sequence[Sequence[Span]], timeout_s: float
@@ -87,7 +91,7 @@ class RedisRemoteStore(RemoteStore):
             # A refused SET (out of memory) is that key's failure, not the batch's.
             return list(pipe.execute(raise_on_error=False))
 
-        replies = self._caller.call(run, timeout_s, "put")
+        replies = self._call(run, timeout_s, "put")
         # True: stored; None: held already (NX); an exception: refused.
         return [r is True or r is None for r in replies]
 
@@ -106,11 +110,18 @@ class RedisRemoteStore(RemoteStore):
                 return list(client.mget_nonatomic(key_list))
             return list(client.mget(key_list))
 
-        found = self._caller.call(run, timeout_s, "get")
+        found = self._call(run, timeout_s, "get")
         return [_fill(value, spans) for value, spans in zip(found, into, strict=True)]
 
     def close(self) -> None:
         self._caller.close()
+
+    def _call(self, run: Callable[[], T], timeout_s: float, what: str) -> T:
+        try:
+            return self._caller.call(run, timeout_s, what)
+        except RemoteCallTimeout as e:
+            # The call goes on with bytes of its own, not the caller's spans.
+            raise RemoteStoreError(str(e)) from None
 
     # -- on the store's thread -------------------------------------------------
 

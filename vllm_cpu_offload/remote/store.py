@@ -6,6 +6,10 @@ the following blocks the store holds and fetches them into host memory. Every ca
 batched and bounded by a timeout: a store that is slow, full or gone costs a miss, never
 a hang.
 
+A call past its timeout may go on in the background. Where it still uses the caller's
+spans, the backend raises `RemoteCallTimeout`, whose `in_flight` says when the call has
+really returned: until then the caller keeps that memory alive, registered and unused.
+
 A value is given and received as spans of host memory (`Span`: an address and a size),
 so that a backend may move bytes without a copy (Mooncake Store reads and writes
 registered host memory directly); a backend that needs bytes copies them.
@@ -18,13 +22,25 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 _PROBE_KEY = "vllm-cpu-offload/probe"
 
 
 class RemoteStoreError(RuntimeError):
     """A call to the store failed as a whole (unreachable, timed out, refused)."""
+
+
+class RemoteCallTimeout(RemoteStoreError):
+    """A call ran past its timeout and still runs until `in_flight` is done: until
+    then a `get` may still write its spans and a `put` read them. A backend whose calls
+    touch no span once the caller has them back raises a plain `RemoteStoreError`."""
+
+    def __init__(self, message: str, in_flight: Future[Any]) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,11 @@ class RemoteStore(ABC):
     def register(self, span: Span) -> None:  # noqa: B027 - optional hook
         """Host memory that later calls will name in spans (a backend that moves bytes
         without a copy registers it once)."""
+
+    def unregister(self, span: Span) -> None:  # noqa: B027 - optional hook
+        """`span`, registered before, is about to be freed: the backend must not name
+        it to its transport again, a reconnect included. The caller unregisters only
+        memory that no call still uses."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections; later calls may fail."""

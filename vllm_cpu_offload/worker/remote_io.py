@@ -10,10 +10,17 @@ so the thread reads and writes them while no copy of the step touches them.
 
 A fetch lands in a staging buffer of the worker's own, is checked there
 (`value_format`: a value of another namespace, key or length, or with a bad checksum, is
-a miss, counted), and only then copied into its host block. A fetch that runs past its
-timeout may still write its buffers later: that staging buffer is abandoned for a new
-one, so a late write never reaches a host block that the tier has handed to another
-block since.
+a miss, counted), and only then copied into its host block.
+
+Memory named in a store call lives, registered, until that call has returned. A call
+past its timeout may go on (`RemoteCallTimeout`): a fetch's staging buffer, or a
+write's headers buffer, is then held, untouched, until the call returns, while later
+calls use another; then it is unregistered before it is freed (or used again). So a
+late write reaches no host block and no buffer in use, and no client names freed
+memory. At most `MAX_HELD_BUFFERS` of each are held: past that, fetches are misses and
+writes fail, without a call. A write whose put timed out is reported only once that
+put has returned, so its host blocks stay pinned while it may still read them; the
+engine never waits for it.
 """
 
 from __future__ import annotations
@@ -23,12 +30,16 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_cpu_offload.block_transfer import RemoteBlocks
 from vllm_cpu_offload.remote import value_format
 from vllm_cpu_offload.remote.namespace import shard_key
 from vllm_cpu_offload.remote.store import (
+    RemoteCallTimeout,
     RemoteStore,
     RemoteStoreError,
     Span,
@@ -45,6 +56,11 @@ WRITE_BATCH = 16
 # blocks of 256 KiB took 26 ms in calls of 16 blocks and 15 ms in calls of 64 or more).
 # 16 blocks of a Llama-3-8B shard with 16-token blocks.
 FETCH_BATCH_BYTES = 32 << 20
+# Buffers of each kind (staging, headers) that calls past their timeout may hold. With
+# the built-in stores one at most (a timeout marks the store down until its thread,
+# free again, reconnects); the bound is for a store that lets timed-out calls pile up.
+MAX_HELD_BUFFERS = 2
+_ALL_HELD = RemoteStoreError("every buffer is held by a call that timed out")
 
 
 @dataclass
@@ -54,9 +70,61 @@ class RemoteResults:
     # job id -> for each of its blocks, whether it is in host memory now
     fetched: dict[int, list[bool]] = field(default_factory=dict)
     # write job id -> for each of its blocks, whether the store holds it now (a
-    # failed or dropped write: all False)
+    # failed or dropped write: all False; one whose put timed out is reported once
+    # that put has returned)
     written: dict[int, list[bool]] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
+
+
+class _Buffers:
+    """Registered host buffers of one size for the spans of store calls.
+
+    One is in use; `hold` sets it aside, alive and registered, while a call that timed
+    out may still use it, and `ready` then gives another: one whose call has returned,
+    a new one, or none while `MAX_HELD_BUFFERS` are held. A held buffer no longer
+    needed is unregistered, then freed. O(MAX_HELD_BUFFERS) per call; RemoteIO's
+    thread only.
+    """
+
+    def __init__(self, store: RemoteStore, size: int) -> None:
+        self._store = store
+        self._size = size
+        self._held: list[tuple[ctypes.Array[ctypes.c_char], Future[Any]]] = []
+        self._current: ctypes.Array[ctypes.c_char] | None = self._new()
+
+    def ready(self) -> int | None:
+        """The address of the buffer for the next call; None while all are held."""
+        held = []
+        for buffer, in_flight in self._held:
+            if not in_flight.done():
+                held.append((buffer, in_flight))
+            elif self._current is None:
+                self._current = buffer  # still registered
+            else:
+                self._store.unregister(self._span(buffer))  # then freed
+        self._held = held
+        if self._current is None and len(self._held) < MAX_HELD_BUFFERS:
+            self._current = self._new()
+        return None if self._current is None else ctypes.addressof(self._current)
+
+    def hold(self, in_flight: Future[Any], *also: object) -> None:
+        """Sets the buffer in use aside until `in_flight` is done; `also`: other
+        memory that call uses."""
+        assert self._current is not None, "hold without a buffer in use"
+        buffer, self._current = self._current, None
+        self._held.append((buffer, in_flight))
+        # The store holds the future until the call returns: tied to it, the memory
+        # outlives the call even if this RemoteIO goes first (closed, call stuck).
+        kept = (buffer, *also)
+        in_flight.add_done_callback(lambda _: kept)
+
+    def _new(self) -> ctypes.Array[ctypes.c_char]:
+        buffer = ctypes.create_string_buffer(self._size)
+        self._store.register(self._span(buffer))
+        return buffer
+
+    def _span(self, buffer: ctypes.Array[ctypes.c_char]) -> Span:
+        return Span(ctypes.addressof(buffer), self._size)
 
 
 class RemoteIO:
@@ -93,14 +161,14 @@ class RemoteIO:
         self._block_bytes = host.block_bytes * blocks_per_host_block
         self._fetch_batch = max(1, FETCH_BATCH_BYTES // self._block_bytes)
         self._num_blocks = host.num_host_blocks // blocks_per_host_block
-        # Headers of one write batch (fetches land in their staging buffer).
-        self._headers = ctypes.create_string_buffer(
-            WRITE_BATCH * value_format.HEADER_BYTES
-        )
-        self._headers_at = ctypes.addressof(self._headers)
         store.register(Span(self._base, host.tensor.numel()))
-        store.register(Span(self._headers_at, len(self._headers)))
-        self._staging = self._new_staging()
+        # Headers of one write batch, and a fetch batch's landing place (its headers,
+        # then its blocks).
+        self._headers = _Buffers(store, WRITE_BATCH * value_format.HEADER_BYTES)
+        self._staging = _Buffers(
+            store,
+            self._fetch_batch * (value_format.HEADER_BYTES + self._block_bytes),
+        )
         # The worker's first stores come right after start: give the store its
         # timeout to connect (then the tier goes on, and connects when it answers).
         wait_until_answering(store, timeout_s)
@@ -181,117 +249,152 @@ class RemoteIO:
                     job, is_fetch = self._writes.popleft(), False
                     self._queued_write_blocks -= len(job.keys)
                 self._busy = True
+            running: list[Future[Any]] = []  # puts past their timeout
             try:
-                done = self._fetch(job) if is_fetch else self._write(job)
+                done = self._fetch(job) if is_fetch else self._write(job, running)
             except Exception:  # the thread must outlive any one job
                 logger.exception("remote KV job %d failed", job.job_id)
                 done = [False] * len(job.keys)
             with self._lock:
                 if is_fetch:
                     self._results.fetched[job.job_id] = done
-                else:
+                elif not running:
                     self._results.written[job.job_id] = done
                 self._busy = False
                 self._lock.notify_all()
+            if running:
+                self._report_when_returned(job.job_id, done, running)
+
+    def _report_when_returned(
+        self, job_id: int, done: list[bool], running: list[Future[Any]]
+    ) -> None:
+        """Reports write `job_id` once every put of it in `running` has returned:
+        until then they may read its host blocks, which the scheduler keeps pinned
+        until the report. The last put's return makes the report (on the store's
+        thread): nothing waits for it."""
+        left = [len(running)]
+
+        def returned(_: Future[Any]) -> None:
+            with self._lock:
+                left[0] -= 1
+                if not left[0]:
+                    self._results.written[job_id] = done
+                    self._lock.notify_all()
+
+        for in_flight in running:
+            in_flight.add_done_callback(returned)
 
     def _span(self, host_block: int) -> Span:
         if not 0 <= host_block < self._num_blocks:
             raise ValueError(f"host block {host_block} out of range")
         return Span(self._base + host_block * self._block_bytes, self._block_bytes)
 
-    def _new_staging(self) -> ctypes.Array[ctypes.c_char]:
-        """A fetch batch's landing place: headers and blocks, registered."""
-        size = self._fetch_batch * (value_format.HEADER_BYTES + self._block_bytes)
-        staging = ctypes.create_string_buffer(size)
-        self.store.register(Span(ctypes.addressof(staging), size))
-        return staging
-
-    def _header(self, i: int) -> Span:
-        at = self._headers_at + i * value_format.HEADER_BYTES
-        return Span(at, value_format.HEADER_BYTES)
-
-    def _write(self, job: RemoteBlocks) -> list[bool]:
-        """Writes the job's blocks; for each, whether the store holds it now."""
+    def _write(self, job: RemoteBlocks, running: list[Future[Any]]) -> list[bool]:
+        """Writes the job's blocks; for each, whether the store holds it now. A put
+        past its timeout joins `running`."""
         written: list[bool] = []
         for start in range(0, len(job.keys), WRITE_BATCH):
-            keys = [
-                shard_key(k, self.rank) for k in job.keys[start : start + WRITE_BATCH]
-            ]
-            values: list[list[Span]] = []
-            for i, host_block in enumerate(
-                job.host_blocks[start : start + WRITE_BATCH]
-            ):
-                block, header = self._span(host_block), self._header(i)
-                packed = value_format.pack_header(
-                    keys[i], self.namespace, block.address, block.size
-                )
-                ctypes.memmove(header.address, packed, len(packed))
-                values.append([header, block])
-            begin = time.perf_counter()
-            try:
-                stored = self.store.put(keys, values, self.timeout_s)
-            except RemoteStoreError as e:
-                self._failed("write", len(keys), e)
-                written += [False] * len(keys)
-                continue
-            self._count("write_seconds", time.perf_counter() - begin)
-            written += stored
-            done = sum(stored)
-            self._count("written_blocks", done)
-            self._count("bytes_out", done * self._block_bytes)
-            self._count("write_refused_blocks", len(keys) - done)
+            end = start + WRITE_BATCH
+            keys = [shard_key(k, self.rank) for k in job.keys[start:end]]
+            written += self._write_batch(keys, job.host_blocks[start:end], running)
         return written
+
+    def _write_batch(
+        self, keys: list[str], host_blocks: Sequence[int], running: list[Future[Any]]
+    ) -> list[bool]:
+        headers_at = self._headers.ready()
+        if headers_at is None:
+            self._failed("write", len(keys), _ALL_HELD)
+            return [False] * len(keys)
+        header_bytes = value_format.HEADER_BYTES
+        values: list[list[Span]] = []
+        for i, (key, host_block) in enumerate(zip(keys, host_blocks, strict=True)):
+            block = self._span(host_block)
+            header = Span(headers_at + i * header_bytes, header_bytes)
+            packed = value_format.pack_header(
+                key, self.namespace, block.address, block.size
+            )
+            ctypes.memmove(header.address, packed, len(packed))
+            values.append([header, block])
+        begin = time.perf_counter()
+        try:
+            stored = self.store.put(keys, values, self.timeout_s)
+        except RemoteCallTimeout as e:
+            # It may still read the headers and the host blocks.
+            self._headers.hold(e.in_flight, self._host)
+            running.append(e.in_flight)
+            self._failed("write", len(keys), e)
+            return [False] * len(keys)
+        except RemoteStoreError as e:
+            self._failed("write", len(keys), e)
+            return [False] * len(keys)
+        self._count("write_seconds", time.perf_counter() - begin)
+        done = sum(stored)
+        self._count("written_blocks", done)
+        self._count("bytes_out", done * self._block_bytes)
+        self._count("write_refused_blocks", len(keys) - done)
+        return stored
 
     def _fetch(self, job: RemoteBlocks) -> list[bool]:
         arrived: list[bool] = []
-        header_bytes, size, batch = (
-            value_format.HEADER_BYTES,
-            self._block_bytes,
-            self._fetch_batch,
-        )
-        for start in range(0, len(job.keys), batch):
-            keys = [shard_key(k, self.rank) for k in job.keys[start : start + batch]]
-            targets = [self._span(h) for h in job.host_blocks[start : start + batch]]
-            at = ctypes.addressof(self._staging)
-            into = [
-                [
-                    Span(at + i * header_bytes, header_bytes),
-                    Span(at + batch * header_bytes + i * size, size),
-                ]
-                for i in range(len(keys))
-            ]
-            begin = time.perf_counter()
-            try:
-                found = self.store.get(keys, into, self.timeout_s)
-            except RemoteStoreError as e:
-                # The call may still write the staging buffer later: never use it
-                # again.
-                self._staging = self._new_staging()
-                self._failed("fetch", len(keys), e)
-                found = [False] * len(keys)
-            self._count("fetch_seconds", time.perf_counter() - begin)
-            self._count("fetch_calls", 1)
-            for key, (header, payload), target, ok in zip(
-                keys, into, targets, found, strict=True
-            ):
-                if ok:
-                    problem = value_format.header_problem(
-                        ctypes.string_at(header.address, header_bytes),
-                        key,
-                        self.namespace,
-                        payload.address,
-                        size,
-                    )
-                    if problem is not None:
-                        logger.warning("remote KV block %s refused: %s", key, problem)
-                        self._count("rejected_blocks", 1)
-                        ok = False
-                if ok:
-                    ctypes.memmove(target.address, payload.address, size)
-                    self._count("bytes_in", size)
-                arrived.append(ok)
+        for start in range(0, len(job.keys), self._fetch_batch):
+            end = start + self._fetch_batch
+            keys = [shard_key(k, self.rank) for k in job.keys[start:end]]
+            targets = [self._span(h) for h in job.host_blocks[start:end]]
+            arrived += self._fetch_batch_into(keys, targets)
         self._count("fetched_blocks", sum(arrived))
         self._count("fetch_missed_blocks", len(arrived) - sum(arrived))
+        return arrived
+
+    def _fetch_batch_into(self, keys: list[str], targets: list[Span]) -> list[bool]:
+        """Fetches `keys` through the staging buffer into `targets`; for each,
+        whether it arrived and passed its checks."""
+        at = self._staging.ready()
+        if at is None:
+            self._failed("fetch", len(keys), _ALL_HELD)
+            return [False] * len(keys)
+        header_bytes, size = value_format.HEADER_BYTES, self._block_bytes
+        payloads_at = at + self._fetch_batch * header_bytes
+        into = [
+            [
+                Span(at + i * header_bytes, header_bytes),
+                Span(payloads_at + i * size, size),
+            ]
+            for i in range(len(keys))
+        ]
+        begin = time.perf_counter()
+        try:
+            found = self.store.get(keys, into, self.timeout_s)
+        except RemoteCallTimeout as e:
+            # It may still write the staging buffer.
+            self._staging.hold(e.in_flight)
+            self._failed("fetch", len(keys), e)
+            found = [False] * len(keys)
+        except RemoteStoreError as e:
+            self._failed("fetch", len(keys), e)
+            found = [False] * len(keys)
+        self._count("fetch_seconds", time.perf_counter() - begin)
+        self._count("fetch_calls", 1)
+        arrived: list[bool] = []
+        for key, (header, payload), target, ok in zip(
+            keys, into, targets, found, strict=True
+        ):
+            if ok:
+                problem = value_format.header_problem(
+                    ctypes.string_at(header.address, header_bytes),
+                    key,
+                    self.namespace,
+                    payload.address,
+                    size,
+                )
+                if problem is not None:
+                    logger.warning("remote KV block %s refused: %s", key, problem)
+                    self._count("rejected_blocks", 1)
+                    ok = False
+            if ok:
+                ctypes.memmove(target.address, payload.address, size)
+                self._count("bytes_in", size)
+            arrived.append(ok)
         return arrived
 
     def _failed(self, what: str, blocks: int, error: Exception) -> None:
