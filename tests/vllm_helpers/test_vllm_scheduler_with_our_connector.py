@@ -15,7 +15,6 @@ block shows as a wrong value, whichever path brought it.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,8 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from tests.vllm_helpers.connector_test_utils import load_connector_test_utils  # noqa: E402
+
 BLOCK_SIZE = 32
 DEVICE_BLOCKS = 24
 HOST_BLOCKS = 64
@@ -38,12 +39,7 @@ PAGE_BYTES = BLOCK_SIZE * 2 * 4  # one layer, one KV head, head size 1, K and V,
 def vllm_utils(vllm_sdist: Path) -> ModuleType:
     """The module tests/v1/kv_connector/unit/utils.py of vLLM, under another name (our
     tests package is also called `tests`)."""
-    path = vllm_sdist / "tests" / "v1" / "kv_connector" / "unit" / "utils.py"
-    spec = importlib.util.spec_from_file_location("vllm_kv_connector_test_utils", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_connector_test_utils(vllm_sdist)
 
 
 class _KeptEvents:

@@ -1,0 +1,77 @@
+"""What every KV slot must hold: a value derived from the token prefix up to it, the
+engine's fingerprint and the TP rank.
+
+Equal prefixes give equal values on one engine and rank (as real KV does, whatever the
+`cache_salt`), so a block reached through any path can be checked; another prefix,
+rank or engine gives another value. Values fit in 24 bits, exact in float32.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from vllm_cpu_offload.remote import value_format
+
+_MASK = (1 << 24) - 1
+
+
+def rank_of(name: str) -> int:
+    """The TP rank in a worker's name (`tp{r}-pp0`)."""
+    return int(name.removeprefix("tp").partition("-")[0])
+
+
+class Oracle:
+    """The prefix values of every request the world made, and of every block hash
+    those requests named, per engine namespace."""
+
+    def __init__(self, block_size: int, kv_entries_per_slot: int) -> None:
+        self.block_size = block_size
+        # Slots of one block position in a host block: layers x (K, V).
+        self.kv_entries_per_slot = kv_entries_per_slot
+        self._prefix: dict[str, list[int]] = {}  # request id -> value per position
+        self._blocks: dict[str, list[int]] = {}  # block hash (hex) -> its values
+        self._salts: dict[str, int] = {}  # namespace -> engine salt
+
+    def add_engine(self, namespace: str, salt: int) -> None:
+        self._salts[namespace] = salt
+
+    @staticmethod
+    def slot_value(base: int, engine_salt: int, rank: int) -> int:
+        return (base ^ engine_salt ^ (rank * 0x9E3779)) & _MASK
+
+    def prefix_values(self, req_id: str, tokens: Sequence[int]) -> list[int]:
+        """The base value of each position of `tokens` (grown as tokens are added)."""
+        values = self._prefix.setdefault(req_id, [])
+        last = values[-1] if values else 0x12345
+        for token in tokens[len(values) :]:
+            last = (last * 1000003 + token + 1) % (1 << 31)
+            values.append(last)
+        return values
+
+    def note_blocks(
+        self, req_id: str, tokens: Sequence[int], hashes: Sequence[bytes]
+    ) -> None:
+        values = self.prefix_values(req_id, tokens)
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            self._blocks.setdefault(bytes(h).hex(), values[i * bs : i * bs + bs])
+
+    def forget(self, req_id: str) -> None:
+        self._prefix.pop(req_id, None)
+
+    def check_value(self, key: str, value: bytes) -> str | None:
+        """Whether a store value holds what its shard key stands for."""
+        namespace, _group, block_hex, rank = key.split("/")
+        salt = self._salts.get(namespace)
+        base = self._blocks.get(block_hex)
+        if salt is None or base is None:
+            return "a key the world never made"
+        payload = memoryview(value)[value_format.HEADER_BYTES :].cast("f")
+        expected = Counter(float(self.slot_value(b, salt, rank_of(rank))) for b in base)
+        got = Counter(payload.tolist())
+        for v in expected:
+            expected[v] *= self.kv_entries_per_slot
+        if got != expected:
+            return "its bytes are another block's"
+        return None

@@ -1,0 +1,41 @@
+"""Runs seeds of the simulation; one failing seed's replay line per violation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from tests.simulation.world import Violation, World, replay_line, vllm_test_utils
+
+
+def run_seeds(
+    seeds: list[int],
+    steps: int,
+    tps: list[int],
+    log: Callable[[str], None],
+    verbose: bool = False,
+) -> list[str]:
+    """Each seed at each TP size; returns one line per failing run (its violation and
+    replay command)."""
+    from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
+
+    # Injected faults log as real ones do: thousands of lines a run.
+    for name in ("vllm_cpu_offload", "vllm", "tests.simulation"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    utils = vllm_test_utils()
+    model = str(ensure_tiny_llama())
+    failures = []
+    for tp in tps:
+        for seed in seeds:
+            world = World(utils, model, seed, tp, steps)
+            try:
+                world.run()
+                if verbose:
+                    log(f"seed {seed} tp {tp}: {world.summary()}")
+            except Violation as e:
+                first = str(e).splitlines()[0]
+                replay = replay_line(seed, steps, tp)
+                line = f"seed {seed} tp {tp}: {first}\n  replay: {replay}"
+                log(line)
+                failures.append(line)
+    return failures

@@ -1,0 +1,531 @@
+"""One simulated fleet: three engines (TP ranks each) on one store, driven by a seed.
+
+Engine A, its twin A2 (same fingerprint: they read each other's blocks from the store)
+and B (another fingerprint). Each is vLLM's real `Scheduler` (our scheduler half inside
+it) and one worker half per TP rank, whose reports vLLM's own `KVOutputAggregator`
+joins.
+
+After every step the world checks: no slot read as computed holds a wrong value unless
+vLLM was told to recompute its block; no store value holds another block's bytes; no
+store call names unregistered memory, nor is memory unregistered under one; no host
+block is rewritten while a store call uses it; vLLM's scheduler raised nothing; the
+pool's invariants hold; no request finished twice. At quiescence (faults off, every
+late call and copy run, requests done): no pins, jobs, held writes, worker bookkeeping
+or store calls left, and every request finished exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import subprocess
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from unittest import mock
+
+import torch
+
+from tests.simulation.late_copies import CopyFaults, LateCopies
+from tests.simulation.oracle import Oracle
+from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 16
+DEVICE_BLOCKS = 40
+HOST_BLOCKS = 48
+LAYERS = ("l0", "l1")
+SLOT_BYTES = 2 * 4  # K and V of one head of size 1, float32
+PAGE_BYTES = BLOCK_SIZE * SLOT_BYTES
+PREFIXES = 6  # shared document prefixes
+SETTLE_S = 30.0
+
+
+class Violation(AssertionError):
+    """A broken invariant; the message says which, at which step."""
+
+
+def vllm_test_utils() -> ModuleType:
+    """vLLM's `tests/v1/kv_connector/unit/utils.py`, from its source distribution."""
+    import vllm
+
+    from tests.vllm_helpers.connector_test_utils import load_connector_test_utils
+
+    version = vllm.__version__.split("+")[0]
+    sdist = subprocess.run(
+        ["bash", str(REPO / "scripts" / "fetch_vllm_sdist.sh"), version],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    ).stdout.strip()
+    return load_connector_test_utils(Path(sdist))
+
+
+@dataclass
+class _Rank:
+    connector: Any
+    kv: dict[str, torch.Tensor]
+    faults: CopyFaults
+    copies: LateCopies
+
+
+@dataclass
+class Engine:
+    """vLLM's Scheduler with our scheduler half, and one worker half per rank."""
+
+    name: str
+    scheduler: Any
+    ranks: list[_Rank]
+    salt: int
+    aggregator: Any
+    finished: dict[str, int] = field(default_factory=dict)  # request -> times
+    added: list[str] = field(default_factory=list)
+
+    @property
+    def tier(self) -> Any:
+        return self.scheduler.connector.scheduler
+
+
+class World:
+    """See the module docstring. `run()` raises `Violation` at the first broken
+    invariant."""
+
+    def __init__(
+        self, utils: ModuleType, model: str, seed: int, tp: int, steps: int
+    ) -> None:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+
+        init_none_hash(sha256)
+        self.utils = utils
+        self.seed, self.tp, self.steps = seed, tp, steps
+        self.rng = random.Random(seed)
+        self.step_no = 0
+        self.name = f"sim-{seed}-{tp}-{id(self)}"
+        self.oracle = Oracle(BLOCK_SIZE, kv_entries_per_slot=2 * len(LAYERS))
+        self.backend = SimBackend(seed, StoreFaults(), self.oracle.check_value)
+        BACKENDS[self.name] = self.backend
+        self._next_request = 0
+        self._prefixes = [
+            [self.rng.randrange(1, 5000) for _ in range(BLOCK_SIZE * (1 + i))]
+            for i in range(PREFIXES)
+        ]
+        # Engine A2 is A's twin (same fingerprint): it reads what A wrote to the store
+        # and the reverse. Engine B differs in what its KV depends on (a config
+        # override): it must never read their blocks, nor they its.
+        self.engines = [
+            self._engine("A", model, None, salt=0x000000),
+            self._engine("A2", model, None, salt=0x000000),
+            self._engine("B", model, {"rope_theta": 20000.0}, salt=0x5A5A5A),
+        ]
+
+    # ---- building ----
+
+    def _engine(
+        self, name: str, model: str, overrides: dict[str, Any] | None, salt: int
+    ) -> Engine:
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+
+        import vllm_cpu_offload.connector as connector_module
+        from vllm_cpu_offload.connector import CPUOffloadConnector
+        from vllm_cpu_offload.persist.fingerprint import rank_name
+
+        config = self.utils.create_vllm_config(
+            model=model,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            max_model_len=512,
+            dtype="float32",
+            hf_overrides=overrides,
+            kv_connector="CPUOffloadConnector",
+            kv_connector_module_path="vllm_cpu_offload.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "swap_space_gib": HOST_BLOCKS * PAGE_BYTES * len(LAYERS) / (1 << 30),
+                "remote_url": f"py://tests.simulation.store:SimStore?world={self.name}",
+                "async_load_tokens": 2 * BLOCK_SIZE,
+            },
+            kv_load_failure_policy="recompute",
+        )
+        config.parallel_config.tensor_parallel_size = self.tp
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+        )
+        kv_config = KVCacheConfig(
+            num_blocks=DEVICE_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+        ranks = []
+        for r in range(self.tp):
+            self.backend.next_client = f"{name}/tp{r}"
+            with mock.patch.object(
+                connector_module, "this_worker_name", lambda r=r: rank_name(r, 0)
+            ):
+                worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
+            # vLLM's CPU layout: [blocks, kv heads, block size, 2 * head size].
+            kv = {
+                n: torch.full((DEVICE_BLOCKS, 1, BLOCK_SIZE, 2), -1.0) for n in LAYERS
+            }
+            worker.register_kv_caches(kv)
+            faults = CopyFaults()
+            copies = LateCopies(
+                worker.worker.engine,
+                random.Random(f"{self.seed}/{name}/copies/{r}"),
+                faults,
+                self.backend.spans_in_use,
+                self._violation,
+            )
+            ranks.append(_Rank(worker, kv, faults, copies))
+        self.backend.next_client = f"{name}/scheduler"
+        scheduler = self.utils.create_scheduler(
+            config, num_blocks=DEVICE_BLOCKS, kv_cache_config=kv_config
+        )
+        engine = Engine(name, scheduler, ranks, salt, KVOutputAggregator(self.tp))
+        self.oracle.add_engine(engine.tier.namespace, salt)
+        return engine
+
+    # ---- running ----
+
+    def _violation(self, what: str) -> None:
+        self.backend.violation(what)
+
+    def _check_violations(self) -> None:
+        if self.backend.violations:
+            raise Violation(self.backend.violations[0])
+
+    def run(self) -> None:
+        try:
+            for _ in range(self.steps):
+                self._tick(faults=True)
+                for engine in self.engines:
+                    self._act(engine)
+                    self._step(engine)
+                    self._check_violations()
+            self._quiesce()
+        finally:
+            self.close()
+
+    def _tick(self, *, faults: bool) -> None:
+        self.step_no += 1
+        if faults:
+            if self.backend.down:
+                self.backend.down = self.rng.random() < 0.8
+            else:
+                self.backend.down = self.rng.random() < 0.02
+        self.backend.advance(self.step_no, everything=not faults)
+        for engine in self.engines:
+            for rank in engine.ranks:
+                if not faults:
+                    rank.copies.max_delay = 0
+                rank.copies.advance(self.step_no)
+
+    def _act(self, engine: Engine) -> None:
+        """Random arrivals, aborts, cache resets, and this step's copy faults."""
+        from vllm.v1.request import RequestStatus
+
+        rng = self.rng
+        live = [r for r in engine.scheduler.requests.values() if not r.is_finished()]
+        if len(live) < 12 and rng.random() < 0.45:
+            self._add_request(engine)
+        if live and rng.random() < 0.05:
+            victim = rng.choice(live)
+            for aborted in engine.scheduler.finish_requests(
+                victim.request_id, RequestStatus.FINISHED_ABORTED
+            ):
+                self._finished(engine, aborted.request_id)
+        if rng.random() < 0.01:
+            engine.scheduler.reset_prefix_cache()
+        mode = rng.random()
+        failing = (
+            set()
+            if mode < 0.85
+            else {rng.randrange(self.tp)}
+            if mode < 0.93
+            else set(range(self.tp))
+        )
+        for r, rank in enumerate(engine.ranks):
+            rank.faults.fail_loads = r in failing and rng.random() < 0.5
+            rank.faults.fail_stores = r in failing and not rank.faults.fail_loads
+            rank.faults.at_layer = rng.randrange(len(LAYERS))
+
+    def _add_request(self, engine: Engine) -> None:
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        rng = self.rng
+        self._next_request += 1
+        prefix = rng.choice(self._prefixes)
+        suffix = [
+            rng.randrange(1, 5000) for _ in range(rng.randrange(1, 2 * BLOCK_SIZE))
+        ]
+        params = SamplingParams(max_tokens=rng.randrange(1, 3 * BLOCK_SIZE))
+        params.update_from_generation_config({}, self.utils.EOS_TOKEN_ID)
+        request = Request(
+            request_id=f"{engine.name}-{self._next_request}",
+            prompt_token_ids=prefix + suffix,
+            sampling_params=params,
+            pooling_params=None,
+            cache_salt=rng.choice([None, None, None, "tenant-1", "tenant-2"]),
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        )
+        engine.added.append(request.request_id)
+        engine.scheduler.add_request(request)
+
+    def _finished(self, engine: Engine, req_id: str) -> None:
+        engine.finished[req_id] = engine.finished.get(req_id, 0) + 1
+        if engine.finished[req_id] > 1:
+            self._violation(f"{req_id} finished twice")
+
+    def _step(self, engine: Engine) -> None:
+        try:
+            self._step_or_raise(engine)
+        except Violation:
+            raise
+        except Exception as e:
+            raise Violation(
+                f"step {self.step_no}, engine {engine.name}: "
+                f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            ) from e
+
+    def _step_or_raise(self, engine: Engine) -> None:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        scheduler = engine.scheduler
+        out = scheduler.schedule()
+        for req_id in out.num_scheduled_tokens:
+            request = scheduler.requests[req_id]
+            self.oracle.note_blocks(req_id, request.all_token_ids, request.block_hashes)
+        meta = out.kv_connector_metadata
+        wrong: list[set[int]] = []
+        for r, rank in enumerate(engine.ranks):
+            w = rank.connector
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            for layer in LAYERS:
+                w.wait_for_layer_load(layer)
+            wrong.append(self._forward(engine, r, out.num_scheduled_tokens))
+            for layer in LAYERS:
+                w.save_kv_layer(layer, rank.kv[layer], None)
+            w.wait_for_save()
+        self._settle(engine)
+        outputs = []
+        invalid: set[int] = set()
+        for rank in engine.ranks:
+            w = rank.connector
+            sending, recving = w.get_finished(set(out.finished_req_ids))
+            errors = w.get_block_ids_with_load_errors()
+            invalid |= errors
+            report = w.build_connector_worker_meta()
+            w.clear_connector_metadata()
+            outputs.append(
+                self._model_output(
+                    engine,
+                    out.num_scheduled_tokens,
+                    KVConnectorOutput(
+                        finished_sending=sending,
+                        finished_recving=recving,
+                        invalid_block_ids=errors,
+                        kv_connector_worker_meta=report,
+                    ),
+                    ModelRunnerOutput,
+                )
+            )
+        self._settle(engine)
+        for r, blocks in enumerate(wrong):
+            if not blocks <= invalid:
+                self._violation(
+                    f"engine {engine.name} rank {r}: wrong KV in device blocks "
+                    f"{sorted(blocks - invalid)} that vLLM was not told to recompute"
+                )
+        model_output = engine.aggregator.aggregate(outputs)
+        results = scheduler.update_from_output(out, model_output)
+        for client_outputs in results.values():
+            for o in client_outputs.outputs:
+                if o.finish_reason is not None:
+                    self._finished(engine, o.request_id)
+        engine.tier.pool.check_invariants()
+
+    def _model_output(
+        self,
+        engine: Engine,
+        scheduled: dict[str, int],
+        kv_output: Any,
+        cls: Any,
+    ) -> Any:
+        """Each request samples a token that its prefix determines."""
+        req_ids = list(scheduled)
+        tokens = []
+        for req_id in req_ids:
+            request = engine.scheduler.requests[req_id]
+            values = self.oracle.prefix_values(req_id, request.all_token_ids)
+            tokens.append([values[-1] % 4999 + 1])
+        return cls(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=tokens,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=kv_output,
+        )
+
+    def _forward(self, engine: Engine, r: int, scheduled: dict[str, int]) -> set[int]:
+        """Checks every slot the step reads as computed; writes the computed ones.
+        Returns the device blocks whose slots were wrong."""
+        manager = engine.scheduler.kv_cache_manager
+        wrong: set[int] = set()
+        for req_id, count in scheduled.items():
+            request = engine.scheduler.requests[req_id]
+            (block_ids,) = manager.get_block_ids(req_id)
+            done = request.num_computed_tokens - count
+            end = done + count
+            base = self.oracle.prefix_values(req_id, request.all_token_ids)[:end]
+            want = torch.tensor(
+                [self.oracle.slot_value(b, engine.salt, r) for b in base],
+                dtype=torch.float32,
+            )
+            pos = torch.arange(end)
+            blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // BLOCK_SIZE]
+            offsets = pos % BLOCK_SIZE
+            for layer in LAYERS:
+                kv = engine.ranks[r].kv[layer]
+                got = kv[blocks[:done], 0, offsets[:done]]
+                bad = (got != want[:done, None]).any(dim=1)
+                wrong.update(blocks[:done][bad].tolist())
+                kv[blocks[done:], 0, offsets[done:]] = want[done:, None]
+        return wrong
+
+    def _settle(self, engine: Engine) -> None:
+        """Waits until each rank's store thread is idle or held in a call: what the
+        workers see next then depends on the seed alone."""
+        for rank in engine.ranks:
+            io = rank.connector.worker.remote_io
+            if io is None:
+                continue
+            store = io.store
+            deadline = time.monotonic() + SETTLE_S
+            while not (
+                io.wait_idle(0.001) or (isinstance(store, SimStore) and store.blocked)
+            ):
+                if time.monotonic() > deadline:
+                    raise Violation(
+                        f"step {self.step_no}: a store thread never settled"
+                    )
+
+    def _quiesce(self) -> None:
+        """Faults off, every late call and copy run: requests finish, and nothing is
+        left behind."""
+        self.backend.down = False
+        self.backend.faults = StoreFaults(0, 0, 0, 0, 0)
+        for engine in self.engines:
+            for rank in engine.ranks:
+                rank.faults.fail_loads = rank.faults.fail_stores = False
+        for _ in range(600):
+            self._tick(faults=False)
+            for engine in self.engines:
+                self._step(engine)
+                self._check_violations()
+            if not any(self._busy(e) for e in self.engines):
+                break
+        for engine in self.engines:
+            self._check_empty(engine)
+        if self.backend.num_pending():
+            raise Violation("store calls left at quiescence")
+
+    def summary(self) -> str:
+        """What the run exercised, summed over the engines."""
+        total: dict[str, int] = {}
+        for engine in self.engines:
+            stats = engine.tier.stats
+            for name in (
+                "hit_tokens",
+                "async_hit_tokens",
+                "remote_hit_tokens",
+                "preempted_requests",
+                "failed_loads",
+                "failed_stores",
+                "remote_missed_blocks",
+            ):
+                total[name] = total.get(name, 0) + int(getattr(stats, name))
+            total["requests"] = total.get("requests", 0) + len(engine.added)
+        return ", ".join(f"{k} {v}" for k, v in total.items())
+
+    def _busy(self, engine: Engine) -> bool:
+        tier = engine.tier
+        return bool(
+            engine.scheduler.requests
+            # vLLM hands finished ids to the workers in its next step.
+            or engine.scheduler.finished_req_ids
+            or tier.num_jobs_in_flight
+            or tier._writing
+            or any(rank.copies.num_late for rank in engine.ranks)
+        )
+
+    def _check_empty(self, engine: Engine) -> None:
+        where = f"engine {engine.name} at quiescence"
+        try:
+            self.utils.assert_scheduler_empty(engine.scheduler)
+        except AssertionError as e:
+            raise Violation(f"{where}: vLLM's scheduler is not empty: {e}") from e
+        tier = engine.tier
+        left = {
+            "jobs": tier.num_jobs_in_flight,
+            "pinned": tier.pool.num_pinned,
+            "storing": tier.pool.num_storing,
+            "held writes": len(tier._writing),
+        }
+        for r, rank in enumerate(engine.ranks):
+            w = rank.connector.worker
+            left[f"rank {r} worker books"] = sum(
+                map(
+                    len,
+                    (
+                        w._store_req,
+                        w._async_loads,
+                        w._writes,
+                        +w._stores_in_flight,
+                        w._awaiting_free,
+                        w._async_req,
+                    ),
+                )
+            )
+            io = w.remote_io
+            if io is not None and not io.wait_idle(SETTLE_S):
+                left[f"rank {r} store thread busy"] = 1
+        leaks = {k: v for k, v in left.items() if v}
+        if leaks:
+            raise Violation(f"{where}: left behind {leaks}")
+        never = [r for r in engine.added if engine.finished.get(r, 0) != 1]
+        if never:
+            raise Violation(f"{where}: requests not finished exactly once: {never[:5]}")
+
+    def close(self) -> None:
+        self.backend.down = False
+        self.backend.advance(self.step_no + 1, everything=True)
+        # Closing after a violation: whatever state it left, close the rest.
+        for engine in self.engines:
+            for rank in engine.ranks:
+                with contextlib.suppress(Exception):
+                    rank.connector.shutdown()
+            with contextlib.suppress(Exception):
+                engine.scheduler.connector.shutdown()
+        BACKENDS.pop(self.name, None)
+
+
+def replay_line(seed: int, steps: int, tp: int) -> str:
+    return f"python -m tests.simulation --seed {seed} --steps {steps} --tp {tp}"
