@@ -33,8 +33,12 @@ class Oracle:
         self._blocks: dict[str, list[int]] = {}  # block hash (hex) -> its values
         self._salts: dict[str, int] = {}  # namespace -> engine salt
 
-    def add_engine(self, namespace: str, salt: int) -> None:
-        self._salts[namespace] = salt
+    def add_engine(self, namespace: str, salt: int) -> str | None:
+        """Names an engine's KV; a problem when engines whose KV differs share a
+        namespace (they would read each other's blocks)."""
+        if self._salts.setdefault(namespace, salt) != salt:
+            return f"engines whose KV differs share the namespace {namespace}"
+        return None
 
     @staticmethod
     def slot_value(base: int, engine_salt: int, rank: int) -> int:

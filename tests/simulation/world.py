@@ -193,7 +193,9 @@ class World:
             config, num_blocks=DEVICE_BLOCKS, kv_cache_config=kv_config
         )
         engine = Engine(name, scheduler, ranks, salt, KVOutputAggregator(self.tp))
-        self.oracle.add_engine(engine.tier.namespace, salt)
+        problem = self.oracle.add_engine(engine.tier.namespace, salt)
+        if problem is not None:
+            self._violation(problem)
         return engine
 
     # ---- running ----
