@@ -373,6 +373,8 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         assert report is None or isinstance(report, OffloadWorkerReport)
+        if connector_output.invalid_block_ids:
+            self._sched().forget_unloaded_blocks(connector_output.invalid_block_ids)
         released = self._sched().update_connector_output(report)
         if released:
             # vLLM frees the blocks of `finished_sending` right after this call, in

@@ -84,6 +84,11 @@ class Engine:
     aggregator: Any
     finished: dict[str, int] = field(default_factory=dict)  # request -> times
     added: list[str] = field(default_factory=list)
+    # Each request's tokens as the workers know them: with async scheduling a token
+    # is computed on in the step after it was sampled, before vLLM has appended it.
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Async scheduling: the last step, executed, whose output vLLM has not taken yet.
+    pending: tuple[Any, Any] | None = None
 
     @property
     def tier(self) -> Any:
@@ -103,6 +108,9 @@ class World:
         init_none_hash(sha256)
         self.utils = utils
         self.seed, self.tp, self.steps = seed, tp, steps
+        # Odd seeds run vLLM's async scheduling: a step is scheduled (and its aborts
+        # taken) before the last step's output, its reports included, is processed.
+        self.async_scheduling = seed % 2 == 1
         self.rng = random.Random(seed)
         self.step_no = 0
         self.name = f"sim-{seed}-{tp}-{id(self)}"
@@ -159,6 +167,7 @@ class World:
             kv_load_failure_policy="recompute",
         )
         config.parallel_config.tensor_parallel_size = self.tp
+        config.scheduler_config.async_scheduling = self.async_scheduling
         spec = FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
         )
@@ -235,18 +244,13 @@ class World:
 
     def _act(self, engine: Engine) -> None:
         """Random arrivals, aborts, cache resets, and this step's copy faults."""
-        from vllm.v1.request import RequestStatus
 
         rng = self.rng
         live = [r for r in engine.scheduler.requests.values() if not r.is_finished()]
         if len(live) < 12 and rng.random() < 0.45:
             self._add_request(engine)
-        if live and rng.random() < 0.05:
-            victim = rng.choice(live)
-            for aborted in engine.scheduler.finish_requests(
-                victim.request_id, RequestStatus.FINISHED_ABORTED
-            ):
-                self._finished(engine, aborted.request_id)
+        if not self.async_scheduling:
+            self._abort_some(engine)
         if rng.random() < 0.01:
             engine.scheduler.reset_prefix_cache()
         mode = rng.random()
@@ -261,6 +265,26 @@ class World:
             rank.faults.fail_loads = r in failing and rng.random() < 0.5
             rank.faults.fail_stores = r in failing and not rank.faults.fail_loads
             rank.faults.at_layer = rng.randrange(len(LAYERS))
+
+    def _abort_some(self, engine: Engine) -> None:
+        """Now and then one request is aborted, whatever its state."""
+        from vllm.v1.request import RequestStatus
+
+        live = [r for r in engine.scheduler.requests.values() if not r.is_finished()]
+        # Requests that wait for a load spanning steps are aborted more often: that
+        # state has the most to undo.
+        waiting = [r for r in live if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        roll = self.rng.random()
+        if waiting and roll < 0.15:
+            victim = self.rng.choice(waiting)
+        elif live and roll > 0.95:
+            victim = self.rng.choice(live)
+        else:
+            return
+        for aborted in engine.scheduler.finish_requests(
+            victim.request_id, RequestStatus.FINISHED_ABORTED
+        ):
+            self._finished(engine, aborted.request_id)
 
     def _add_request(self, engine: Engine) -> None:
         from vllm import SamplingParams
@@ -304,13 +328,30 @@ class World:
             ) from e
 
     def _step_or_raise(self, engine: Engine) -> None:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
         scheduler = engine.scheduler
         out = scheduler.schedule()
         for req_id in out.num_scheduled_tokens:
             request = scheduler.requests[req_id]
             self.oracle.note_blocks(req_id, request.all_token_ids, request.block_hashes)
+        model_output = self._execute(engine, out)
+        if not self.async_scheduling:
+            self._update(engine, out, model_output)
+            return
+        # vLLM's batch queue: this step is scheduled and executed before the last
+        # one's output is taken, and aborts that came meanwhile go first.
+        self._abort_some(engine)
+        if engine.pending is not None:
+            self._update(engine, *engine.pending)
+        engine.pending = (out, model_output)
+        if not out.total_num_scheduled_tokens:
+            # Nothing ran: vLLM waits for this output rather than schedule more.
+            engine.pending = None
+            self._update(engine, out, model_output)
+
+    def _execute(self, engine: Engine, out: Any) -> Any:
+        """Every rank runs the step; returns the output vLLM's aggregator joins."""
+        from vllm.v1.outputs import KVConnectorOutput
+
         meta = out.kv_connector_metadata
         wrong: list[set[int]] = []
         for r, rank in enumerate(engine.ranks):
@@ -325,6 +366,7 @@ class World:
                 w.save_kv_layer(layer, rank.kv[layer], None)
             w.wait_for_save()
         self._settle(engine)
+        sampled = self._sample(engine, out.num_scheduled_tokens)
         outputs = []
         invalid: set[int] = set()
         for rank in engine.ranks:
@@ -334,52 +376,72 @@ class World:
             invalid |= errors
             report = w.build_connector_worker_meta()
             w.clear_connector_metadata()
-            outputs.append(
-                self._model_output(
-                    engine,
-                    out.num_scheduled_tokens,
-                    KVConnectorOutput(
-                        finished_sending=sending,
-                        finished_recving=recving,
-                        invalid_block_ids=errors,
-                        kv_connector_worker_meta=report,
-                    ),
-                    ModelRunnerOutput,
-                )
+            kv_output = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=errors,
+                kv_connector_worker_meta=report,
             )
+            outputs.append(self._model_output(sampled, kv_output))
         self._settle(engine)
+        if engine.pending is not None:
+            # Async scheduling: this step was scheduled before vLLM took the last
+            # step's failed loads; their blocks are still to be recomputed.
+            invalid |= engine.pending[1].kv_connector_output.invalid_block_ids
         for r, blocks in enumerate(wrong):
             if not blocks <= invalid:
                 self._violation(
                     f"engine {engine.name} rank {r}: wrong KV in device blocks "
                     f"{sorted(blocks - invalid)} that vLLM was not told to recompute"
                 )
-        model_output = engine.aggregator.aggregate(outputs)
-        results = scheduler.update_from_output(out, model_output)
+        return engine.aggregator.aggregate(outputs)
+
+    def _update(self, engine: Engine, out: Any, model_output: Any) -> None:
+        results = engine.scheduler.update_from_output(out, model_output)
         for client_outputs in results.values():
             for o in client_outputs.outputs:
                 if o.finish_reason is not None:
                     self._finished(engine, o.request_id)
         engine.tier.pool.check_invariants()
 
-    def _model_output(
-        self,
-        engine: Engine,
-        scheduled: dict[str, int],
-        kv_output: Any,
-        cls: Any,
-    ) -> Any:
-        """Each request samples a token that its prefix determines."""
-        req_ids = list(scheduled)
-        tokens = []
-        for req_id in req_ids:
+    def _tokens(self, engine: Engine, request: Any) -> list[int]:
+        """The request's tokens as the workers know them (see `Engine.tokens`)."""
+        tokens = engine.tokens.setdefault(request.request_id, [])
+        known = request.all_token_ids
+        if len(known) > len(tokens):
+            tokens.extend(known[len(tokens) :])
+        return tokens
+
+    def _sample(
+        self, engine: Engine, scheduled: dict[str, int]
+    ) -> dict[str, list[int]]:
+        """A request that ends its prompt or decodes samples a token that its prefix
+        determines, and the workers' view of its tokens grows by it; a prefill chunk
+        samples nothing (vLLM's model runner discards it)."""
+        sampled = {}
+        for req_id in scheduled:
             request = engine.scheduler.requests[req_id]
-            values = self.oracle.prefix_values(req_id, request.all_token_ids)
-            tokens.append([values[-1] % 4999 + 1])
-        return cls(
+            tokens = self._tokens(engine, request)
+            end = request.num_computed_tokens
+            if end < request.num_prompt_tokens:
+                sampled[req_id] = []
+                continue
+            values = self.oracle.prefix_values(req_id, tokens[:end])
+            token = values[end - 1] % 4999 + 1
+            if end == len(tokens):
+                tokens.append(token)
+            sampled[req_id] = [token]
+        return sampled
+
+    @staticmethod
+    def _model_output(sampled: dict[str, list[int]], kv_output: Any) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(sampled)
+        return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=tokens,
+            sampled_token_ids=[sampled[r] for r in req_ids],
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=None,
@@ -396,7 +458,8 @@ class World:
             (block_ids,) = manager.get_block_ids(req_id)
             done = request.num_computed_tokens - count
             end = done + count
-            base = self.oracle.prefix_values(req_id, request.all_token_ids)[:end]
+            tokens = self._tokens(engine, request)
+            base = self.oracle.prefix_values(req_id, tokens[:end])[:end]
             want = torch.tensor(
                 [self.oracle.slot_value(b, engine.salt, r) for b in base],
                 dtype=torch.float32,
@@ -470,7 +533,8 @@ class World:
     def _busy(self, engine: Engine) -> bool:
         tier = engine.tier
         return bool(
-            engine.scheduler.requests
+            engine.pending is not None
+            or engine.scheduler.requests
             # vLLM hands finished ids to the workers in its next step.
             or engine.scheduler.finished_req_ids
             or tier.num_jobs_in_flight

@@ -341,6 +341,34 @@ def test_failed_loads_are_recomputed_through_vllms_invalid_blocks(
     _assert_drained(engine)
 
 
+def test_blocks_a_failed_load_left_unfilled_are_no_device_hit_later(
+    engine: Engine,
+) -> None:
+    # A load fails and its request is aborted before it recomputes the blocks (as a
+    # preemption would): vLLM's recompute policy keeps them in its prefix cache, so
+    # the connector drops them there. The same prompt again must not read them as a
+    # device hit (the forward checks every slot it reads).
+    from vllm.v1.request import RequestStatus
+
+    from vllm_cpu_offload.worker.fault_injection import FaultInjector
+
+    engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
+    for seed in (2, 3, 4, 5, 6):
+        engine.run(engine.request(seed, 6 * BLOCK_SIZE))
+    assert engine.worker.worker is not None
+    engine.worker.worker._faults = FaultInjector(1.0)
+    failed = engine.request(1, 5 * BLOCK_SIZE + 3)
+    engine.scheduler.add_request(failed)
+    engine.step()
+    assert engine.invalid_blocks == 5
+    engine.scheduler.finish_requests(failed.request_id, RequestStatus.FINISHED_ABORTED)
+    engine.worker.worker._faults = None
+    again = engine.request(1, 5 * BLOCK_SIZE + 3)
+    engine.run(again)  # raises on a wrong slot
+    assert len(again.output_token_ids) == 8
+    _assert_drained(engine)
+
+
 def test_preemption_under_pressure_keeps_every_slot_right(engine: Engine) -> None:
     # Five requests whose decodes outgrow the device cache: vLLM preempts and resumes
     # them (resumed ones may load their stored blocks back); every request finishes.

@@ -591,6 +591,18 @@ class HostTierScheduler:
             del self._awaiting_stores[req_id]
         return released
 
+    def forget_unloaded_blocks(self, device_block_ids: set[int]) -> None:
+        """Device blocks a load did not fill leave vLLM's prefix cache.
+
+        vLLM cached them when it allocated them for the hit, and its recompute
+        policy keeps them cached, expecting their request to recompute them. A
+        request preempted or aborted before it does leaves them cached with bytes
+        nobody computed, and the next request with that prefix (or the same one,
+        resumed) would read them as a device hit.
+        """
+        if self._kv_cache_manager is not None:
+            self._kv_cache_manager.evict_blocks(set(device_block_ids))
+
     def _job_reported(self, job_id: int, count: int, *, failed: bool) -> None:
         """`count` workers reported a job. It ends once every worker has, finished or
         failed: until then another worker may still copy from or into its blocks."""
