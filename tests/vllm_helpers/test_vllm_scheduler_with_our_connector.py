@@ -27,8 +27,6 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from tests.vllm_helpers.connector_test_utils import load_connector_test_utils  # noqa: E402
-
 BLOCK_SIZE = 32
 DEVICE_BLOCKS = 24
 HOST_BLOCKS = 64
@@ -39,6 +37,8 @@ PAGE_BYTES = BLOCK_SIZE * 2 * 4  # one layer, one KV head, head size 1, K and V,
 def vllm_utils(vllm_sdist: Path) -> ModuleType:
     """The module tests/v1/kv_connector/unit/utils.py of vLLM, under another name (our
     tests package is also called `tests`)."""
+    from tests.vllm_helpers.connector_test_utils import load_connector_test_utils
+
     return load_connector_test_utils(vllm_sdist)
 
 
