@@ -15,10 +15,18 @@ the median of the pairs and their range. Each phase also records the machine's s
 time and the CPU time of the engine's processes, so that a slow spell of the host shows
 up as what it is.
 
-    python benchmarks/long_document_qa.py # N = 16, 32, 64, 3 pairs python
-    benchmarks/long_document_qa.py --docs 16 --pairs 1 --quick # a smoke run python
-    benchmarks/long_document_qa.py --docs 10 --doc-tokens 1500 --device-blocks 200 \\
-        --max-tokens 16 --no-reuse-docs 0          # the long-document exactness check
+    python benchmarks/long_document_qa.py                   # N = 16, 32, 64, 3 pairs
+    python benchmarks/long_document_qa.py --docs 16 --pairs 1  # the quick version
+    python benchmarks/long_document_qa.py --docs 10 --doc-tokens 1500 \\
+        --device-blocks 200 --max-tokens 16 --no-reuse-docs 0  # the exactness check
+
+The dtype and the model's depth come from what this CPU does fast (`--dtype auto`,
+`--layers 0`): a matrix-product probe at the start (benchmarks/matmul_rate.py, under a
+second) picks bf16 where the CPU multiplies it faster than fp32 (AMX, AVX512-BF16) and
+fp32 elsewhere (an AVX2-only CPU runs bf16 about 100x slower), then the deepest model
+(8, 4 or 2 layers of the same width) whose 1,000-token prefill fits MISS_BUDGET_S at the
+probed rate. It prints the rates and the choice; `--dtype` and `--layers` (or
+`--quick`: 4 layers) fix them instead.
 
 Prints one table per N and the ratios, writes JSON and a plot to benchmarks/results/.
 """
@@ -34,14 +42,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from vllm_cpu_offload.testing.tiny_model import (
+# Run as a script (scripts/demo.sh): the repository root makes `benchmarks` importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.matmul_rate import Rates, choose_dtype, probe  # noqa: E402
+from vllm_cpu_offload.testing.tiny_model import (  # noqa: E402
     TinyLlamaShape,
     ensure_tiny_llama,
     random_token_ids,
@@ -56,9 +68,54 @@ ARMS = ("prefix-caching", "cpu-offload")
 BENCH_SHAPE = TinyLlamaShape(
     num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1536
 )
-QUICK_SHAPE = TinyLlamaShape(
-    num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1536
-)
+QUICK_SHAPE = replace(BENCH_SHAPE, num_layers=4)
+# The depths --layers 0 chooses from, deepest first.
+LAYER_CHOICES = (BENCH_SHAPE.num_layers, QUICK_SHAPE.num_layers, 2)
+# The longest a 1,000-token prefill of the chosen model may take at the probed one-core
+# matmul rate. The quick version (--docs 16 --pairs 1) pays about 93 misses and two
+# engine start-ups (about 65 s). Measured on a 2-core AVX-512 EPYC (one core: bf16 215
+# GFLOP/s, fp32 98): a miss of the 8-layer model (58 GFLOP) takes 0.40 s in bf16 and
+# 0.64 s in fp32, about 0.7 and 0.9 of the probe's rate, and the run 102 and 129 s. At
+# 0.7 s by the probe a miss stays near a second: 3 minutes at most. An AVX2-only CPU
+# (one core: fp32 67 GFLOP/s, bf16 0.5) gets fp32 and 4 layers.
+MISS_BUDGET_S = 0.7
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+def prefill_gflop(shape: TinyLlamaShape, tokens: int) -> float:
+    """The matmul work of one prefill of `tokens` tokens: the layers' projections and
+    causal attention (the logits of the last token are left out)."""
+    h, inter = shape.hidden_size, shape.intermediate_size
+    kv = shape.num_kv_heads * (h // shape.num_heads)
+    projections = 2 * (2 * h * h + 2 * kv * h + 3 * h * inter)  # q o, k v, MLP
+    attention = 2 * h * tokens  # QK^T and PV over half the context on average
+    return shape.num_layers * tokens * (projections + attention) / 1e9
+
+
+def shape_of(layers: int) -> TinyLlamaShape:
+    return replace(BENCH_SHAPE, num_layers=layers)
+
+
+def choose_layers(rate_gflops: float, doc_tokens: int) -> int:
+    """The deepest of LAYER_CHOICES whose prefill of a 1,000-token document (or of
+    `doc_tokens`, if longer) fits MISS_BUDGET_S at `rate_gflops`."""
+    tokens = max(doc_tokens, 1000)
+    for layers in LAYER_CHOICES:
+        if prefill_gflop(shape_of(layers), tokens) / rate_gflops <= MISS_BUDGET_S:
+            return layers
+    return LAYER_CHOICES[-1]
+
+
+def resolve_sizing(args: argparse.Namespace) -> tuple[str, int, Rates | None]:
+    """The dtype and depth to run: as given, or from a probe of this CPU."""
+    layers = QUICK_SHAPE.num_layers if args.quick else args.layers
+    if args.dtype != "auto" and layers:
+        return args.dtype, layers, None
+    rates = probe()
+    dtype = choose_dtype(rates) if args.dtype == "auto" else args.dtype
+    if not layers:
+        layers = choose_layers(rates.gflops[dtype], args.doc_tokens)
+    return dtype, layers, rates
 
 
 @dataclass
@@ -133,7 +190,7 @@ def _make_llm(args: argparse.Namespace, shape: TinyLlamaShape, offload: bool) ->
         max_model_len=doc_blocks * BLOCK_SIZE + BLOCK_SIZE + args.max_tokens,
         max_num_seqs=4,
         max_num_batched_tokens=4096,
-        dtype="bfloat16",
+        dtype=args.dtype,
         seed=0,
         # Both arms: the host-hit counter comes from the metrics.
         disable_log_stats=False,
@@ -141,7 +198,12 @@ def _make_llm(args: argparse.Namespace, shape: TinyLlamaShape, offload: bool) ->
     if offload:
         head_dim = shape.hidden_size // shape.num_heads
         block_bytes = (
-            2 * shape.num_layers * BLOCK_SIZE * shape.num_kv_heads * head_dim * 2
+            2
+            * shape.num_layers
+            * BLOCK_SIZE
+            * shape.num_kv_heads
+            * head_dim
+            * DTYPE_BYTES[args.dtype]
         )
         kwargs |= dict(
             enable_cpu_offload=True,
@@ -201,7 +263,7 @@ def _phase(
 
 def run_arm(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One engine: every N (after a reset of both tiers) and the no-reuse phase."""
-    shape = QUICK_SHAPE if args.quick else BENCH_SHAPE
+    shape = shape_of(args.layers)
     arm = args.run_arm
     llm = _make_llm(args, shape, offload=arm == "cpu-offload")
     results = []
@@ -387,8 +449,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-reuse-docs", type=int, default=24)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument(
-        "--quick", action="store_true", help="a smaller model, for a smoke run"
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPE_BYTES),
+        help="auto: the one this CPU multiplies faster",
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="the model's depth (0: the deepest that this CPU runs fast enough)",
+    )
+    parser.add_argument("--quick", action="store_true", help="4 layers (as --layers 4)")
     parser.add_argument("--out", default=str(RESULTS / "long_document_qa.json"))
     parser.add_argument("--run-arm", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--arm-json", help=argparse.SUPPRESS)
@@ -402,10 +474,24 @@ def main() -> None:
     if args.run_arm:
         Path(args.arm_json).write_text(json.dumps(run_arm(args)))
         return
-    shape = QUICK_SHAPE if args.quick else BENCH_SHAPE
+    dtype, layers, rates = resolve_sizing(args)
+    shape = shape_of(layers)
+    miss = prefill_gflop(shape, args.doc_tokens)
+    if rates is not None:
+        print(f"CPU {rates.describe()}")
+        how = {True: "probed", False: "given"}
+        print(
+            f"chose {dtype} ({how[args.dtype == 'auto']}) and {layers} layers "
+            f"({how[not args.layers and not args.quick]}): a {args.doc_tokens}-token "
+            f"prefill is {miss:.0f} GFLOP, {miss / rates.gflops[dtype]:.2f} s at the "
+            "probed rate"
+        )
+    else:
+        print(f"given: {dtype}, {layers} layers")
     model = str(ensure_tiny_llama(shape))
     print(
-        f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}; "
+        f"model {shape.name} in {dtype}: {shape.num_layers} layers, "
+        f"hidden {shape.hidden_size}; "
         f"documents of {args.doc_tokens} tokens; device cache "
         f"{args.device_blocks or args.device_docs * -(-args.doc_tokens // BLOCK_SIZE)} "
         f"blocks, host tier {args.host_docs} documents; repeat order "
@@ -417,7 +503,7 @@ def main() -> None:
         "--device-blocks", str(args.device_blocks),
         "--host-docs", str(args.host_docs), "--max-tokens", str(args.max_tokens),
         "--repeat-mode", args.repeat_mode, "--no-reuse-docs", str(args.no_reuse_docs),
-        *(["--quick"] if args.quick else []),
+        "--dtype", dtype, "--layers", str(layers),
     ]  # fmt: skip
     pairs = []
     for i in range(args.pairs):
@@ -438,6 +524,8 @@ def main() -> None:
         json.dumps(
             {
                 "args": vars(args),
+                "dtype": dtype,
+                "rates": None if rates is None else rates.gflops,
                 "model": asdict(shape),
                 "summary": summary,
                 "pairs": pairs,

@@ -97,26 +97,81 @@ assert "enable_cpu_offload" in EngineArgs.__dataclass_fields__
 print("in-tree vLLM", vllm.__version__, "from", vllm.__file__, "; vllm_cpu_offload blocked")
 EOF
 
+IN_TREE_TESTS=tests/v1/kv_connector/cpu_offload
 UNIT=tests/v1/kv_connector/unit
-CORE=tests/v1/core
-# vLLM's own tests: a representative subset (upstream/README.md says which and why); the
-# whole core + kv_connector selection runs in the stage before, on the same Python files.
-VLLM_TESTS=(
-  "$CORE/test_scheduler.py" "$CORE/test_prefix_caching.py" "$CORE/test_kv_cache_utils.py"
-  "$UNIT/test_kv_connector_lifecycle.py" "$UNIT/test_invalid_blocks_correctness.py"
-  "$UNIT/test_kv_load_failure_recovery.py" "$UNIT/test_config.py"
-  "$UNIT/test_multi_connector.py" "$UNIT/test_hma_auto_config.py"
+echo "== upstream: every import of the series resolves in tree"
+# The connector's modules and the copied tests are the package and its tests with their
+# imports rewritten (scripts/make_upstream_series.py): every import statement of every
+# Python file of the series, those inside functions too, must name a module or a name of
+# the patched tree. The copied tests themselves run on the package in the pytest stage.
+SERIES_FILES=()
+for f in "${SERIES_PY[@]}"; do
+  if [[ "$f" == vllm/* ]]; then SERIES_FILES+=("$OVERLAY/$f"); else SERIES_FILES+=("$TREE/$f"); fi
+done
+"$PY" - "${SERIES_FILES[@]}" <<'EOF'
+import ast
+import importlib
+import sys
+
+OURS = ("vllm.", "tests.v1.kv_connector.cpu_offload")
+checked, bad = 0, []
+for path in sys.argv[1:]:
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            wanted = [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            wanted = [(node.module, alias.name) for alias in node.names]
+        else:
+            continue
+        for module, name in wanted:
+            if not module.startswith(OURS):
+                continue
+            checked += 1
+            try:
+                found = importlib.import_module(module)
+                if name is not None and name != "*" and not hasattr(found, name):
+                    importlib.import_module(f"{module}.{name}")
+            except Exception as e:  # reported below
+                bad.append(f"{path}:{node.lineno}: {module} {name or ''}: {e!r}")
+print(f"{checked} imports of vLLM and of the in-tree tests resolve")
+if bad:
+    print("\n".join(bad))
+    raise SystemExit(1)
+EOF
+"$PY" -m pytest -q -p no:cacheprovider --collect-only "$IN_TREE_TESTS" | tail -n 1
+
+# What only the series changes, tested in tree:
+# - the engine flags as vLLM's own EngineArgs fields (the templates' test_engine_args.py)
+#   and LLM(enable_cpu_offload=True, ...) re-reading from host memory with the tokens of
+#   the engine without the flag (test_llm_host_tier.py): in the package, a runtime patch;
+# - vLLM's scheduler making the connector by its name, which factory.py registers in tree
+#   (test_vllm_scheduler.py);
+# - the in-tree flags.py, flags.py less its patch machinery (more than rewritten
+#   imports): the copied tests that import it;
+# - vLLM's own tests of factory.py, the file the series changes that they reach: the
+#   kv_connector unit tests that list, make and configure connectors by name. The rest
+#   of vLLM's core and kv_connector selection runs in the stage before, on the same vLLM
+#   files with the package as a plugin; arg_utils.py's new fields are
+#   test_engine_args.py's, and ompmultiprocessing.py's change runs in
+#   test_llm_host_tier.py's engine.
+mapfile -t FLAGS_TESTS < <(grep -l 'cpu_offload\.flags import' "$IN_TREE_TESTS"/test_*.py)
+IN_TREE_ONLY=(
+  "$IN_TREE_TESTS/test_engine_args.py" "$IN_TREE_TESTS/test_llm_host_tier.py"
+  "$IN_TREE_TESTS/test_vllm_scheduler.py" "${FLAGS_TESTS[@]}"
 )
-# Deselected as in tests/vllm_suite/selection.py (hub weights, torchvision), and one test
-# that starts `python -O`, which compiles vLLM's imports afresh in the overlay: over its
-# 60 s limit on a loaded 2-core machine. None of them is ours.
+VLLM_TESTS=(
+  "$UNIT/test_config.py" "$UNIT/test_multi_connector.py" "$UNIT/test_hma_auto_config.py"
+  "$UNIT/test_kv_connector_lifecycle.py"
+)
+# Deselected as in tests/vllm_suite/selection.py (hub weights, torchvision); none of them
+# is ours.
 DESELECT="$("$PY" -c '
 import sys; sys.path.insert(0, sys.argv[1])
 from tests.vllm_suite.selection import DESELECTED
 print(" ".join("--deselect=" + n for n in DESELECTED))' "$REPO")"
-DESELECT="$DESELECT --deselect=$CORE/test_kv_cache_utils.py::test_is_kv_cache_spec_uniform"
-echo "== upstream: in-tree tests and vLLM's own tests on the patched vLLM"
+echo "== upstream: what the series alone changes, on the patched vLLM"
 # shellcheck disable=SC2086
 nice "$PY" -m pytest -q -p no:cacheprovider -n 2 $DESELECT \
-  tests/v1/kv_connector/cpu_offload "${VLLM_TESTS[@]}"
+  "${IN_TREE_ONLY[@]}" "${VLLM_TESTS[@]}"
 echo "upstream stage: $((SECONDS - start)) s"

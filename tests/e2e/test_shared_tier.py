@@ -1,20 +1,28 @@
 """`--swap-space-remote`: engines share their KV through a real store on loopback.
 
-Real `vllm serve` processes (the API server module), bf16, one request at a time. Server
+Real `vllm serve` processes (the API server module), fp32, one request at a time. Server
 A reads documents and writes every block it stores through to the store. Server B, a
 fresh engine with an empty host tier, then reads the same documents: their blocks come
 from the store (loads that span steps), with the answers server A gives from its own
 cache, and a tenant's `cache_salt` reaches nothing of another's. An engine whose store
 is down answers the same documents exactly, recomputing them.
+
+One server A per store reads the documents of every test that needs them written (its
+answers are kept, it is gone before any B starts), and Mooncake's B serves two tests in
+turn: a server start is most of what a test here costs. fp32: the store moves bytes and
+nothing of the shared tier depends on the dtype; bf16 runs in test_bf16_exact, and is
+two orders of magnitude slower on CPUs without AMX or AVX512-BF16.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -40,8 +48,30 @@ HITS = (BLOCKS - 1) * BLOCK_SIZE
 # Mooncake's client advertises this address, not the machine's first one.
 MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
+# A prompt and its cache salt (None: no salt).
+Doc = tuple[str, str | None]
 
-@pytest.fixture
+
+def documents(seed: int, count: int) -> tuple[list[str], random.Random]:
+    """`count` prompts of BLOCKS blocks and three tokens, and the generator they came
+    from, to draw more from."""
+    rng = random.Random(seed)
+    return [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(count)], rng
+
+
+def second_engine_documents() -> tuple[list[str], str]:
+    """The documents of test_a_second_engine_reads_what_the_first_computed, and the
+    prompt that tenant A sends with its salt."""
+    docs, rng = documents(31, DOCS)
+    return docs, random_words(rng, BLOCKS * BLOCK_SIZE + 3)
+
+
+def second_engine_reads() -> list[Doc]:
+    docs, salted = second_engine_documents()
+    return [*((d, None) for d in docs), (salted, "tenant-a")]
+
+
+@pytest.fixture(scope="module")
 def mooncake() -> Iterator[MooncakeServers]:
     try:
         servers = MooncakeServers().start()
@@ -53,16 +83,9 @@ def mooncake() -> Iterator[MooncakeServers]:
         servers.stop()
 
 
-@pytest.fixture(params=["redis", "mooncake"])
-def store_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "redis":
-        return str(request.getfixturevalue("redis_url"))
-    return request.getfixturevalue("mooncake").url
-
-
 def server_flags(url: str) -> list[str]:
     return [
-        "--dtype", "bfloat16",
+        "--dtype", "float32",
         "--block-size", str(BLOCK_SIZE),
         "--num-gpu-blocks-override", "24",
         "--max-model-len", "640",
@@ -81,6 +104,15 @@ def cached_tokens(reply: dict) -> int:
 
 def text(reply: dict) -> str:
     return str(reply["choices"][0]["text"])
+
+
+def read(server: RunningServer, doc: Doc) -> dict:
+    prompt, salt = doc
+    return (
+        complete(server, prompt)
+        if salt is None
+        else complete(server, prompt, cache_salt=salt)
+    )
 
 
 def stepped_until(
@@ -113,29 +145,76 @@ def all_written(shards: int) -> Callable[[dict[str, float]], bool]:
     return holds
 
 
-def test_a_second_engine_reads_what_the_first_computed(
-    tiny_model: str, store_url: str
-) -> None:
-    flags = server_flags(store_url)
-    rng = random.Random(31)
-    docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(DOCS)]
-    salted = random_words(rng, BLOCKS * BLOCK_SIZE + 3)
+@dataclass(frozen=True)
+class Written:
+    """Server A's answers to documents it read twice, cold and then from its own
+    cache, once their blocks were all in the store; A is gone."""
 
-    with running_server(tiny_model, flags, env=MOONCAKE_ENV) as first_server:
-        for d in docs:
-            complete(first_server, d)
-        cold_salted = complete(first_server, salted, cache_salt="tenant-a")
-        # A's answers from its own cache are the reference for B's from the store:
-        # the same prefix comes from cache and the same suffix is computed. A cold
-        # answer is not: on some CPUs (AMX) vLLM's prefill of a prompt whose prefix
-        # is cached differs in the last bits from a whole prefill, and greedy tokens
-        # of a random model can flip, with or without this plugin.
-        first = [complete(first_server, d) for d in docs]
-        first_salted = complete(first_server, salted, cache_salt="tenant-a")
-        assert all(cached_tokens(r) >= HITS for r in [*first, first_salted])
-        stepped_until(first_server, all_written((DOCS + 1) * (BLOCKS - 1)))
+    cold: dict[Doc, dict]
+    cached: dict[Doc, dict]
 
+
+def read_twice_and_write_through(model: str, url: str, docs: list[Doc]) -> Written:
+    """Server A: every document read cold, then again from its own cache (the
+    reference for B's reads from the store: the same prefix comes from a cache and the
+    same suffix is computed; a cold answer is not one, since on some CPUs (AMX) vLLM's
+    prefill of a prompt whose prefix is cached differs in the last bits from a whole
+    prefill); returns once every block is written through."""
+    with running_server(model, server_flags(url), env=MOONCAKE_ENV) as first_server:
+        cold = {d: read(first_server, d) for d in docs}
+        cached = {d: read(first_server, d) for d in docs}
+        assert all(cached_tokens(r) >= HITS for r in cached.values())
+        stepped_until(first_server, all_written(len(docs) * (BLOCKS - 1)))
+    return Written(cold, cached)
+
+
+@pytest.fixture(scope="module")
+def redis_written(tiny_model: str, redis_url: str) -> Written:
+    """What A wrote to Redis: the documents of the second-engine test and the
+    document of the held-fetch test."""
+    doc = (fetch_documents()[0], None)
+    return read_twice_and_write_through(
+        tiny_model, redis_url, [*second_engine_reads(), doc]
+    )
+
+
+@pytest.fixture(scope="module")
+def mooncake_written(tiny_model: str, mooncake: MooncakeServers) -> Written:
+    """What A wrote to Mooncake: the documents of the second-engine test and those of
+    the storage-node test."""
+    node_docs = [(d, None) for d in documents(41, 2)[0]]
+    return read_twice_and_write_through(
+        tiny_model, mooncake.url, [*second_engine_reads(), *node_docs]
+    )
+
+
+@pytest.fixture(scope="module")
+def mooncake_second(
+    tiny_model: str, mooncake: MooncakeServers, mooncake_written: Written
+) -> Iterator[RunningServer]:
+    """Mooncake's B, started after A is gone: it reads the second-engine test's
+    documents, then the storage-node test's (which it has never read)."""
+    flags = server_flags(mooncake.url)
     with running_server(tiny_model, flags, env=MOONCAKE_ENV) as second:
+        yield second
+
+
+@pytest.mark.parametrize("store", ["redis", "mooncake"])
+def test_a_second_engine_reads_what_the_first_computed(
+    tiny_model: str, store: str, request: pytest.FixtureRequest
+) -> None:
+    written: Written = request.getfixturevalue(f"{store}_written")
+    if store == "redis":
+        url = request.getfixturevalue("redis_url")
+        server = running_server(tiny_model, server_flags(url), env=MOONCAKE_ENV)
+    else:
+        server = contextlib.nullcontext(request.getfixturevalue("mooncake_second"))
+    docs, salted = second_engine_documents()
+    first = [written.cached[(d, None)] for d in docs]
+    cold_salted = written.cold[(salted, "tenant-a")]
+    first_salted = written.cached[(salted, "tenant-a")]
+
+    with server as second:
         before = settled_metrics(second.url, until=idle)
         again = [complete(second, d) for d in docs]
         usages = [(r["usage"], f["usage"]) for r, f in zip(again, first, strict=True)]
@@ -159,14 +238,45 @@ def test_a_second_engine_reads_what_the_first_computed(
         assert grew("failed_transfers_total") == 0
 
 
+def test_a_storage_node_that_dies_costs_no_wrong_token_and_no_hang(
+    mooncake: MooncakeServers,
+    mooncake_written: Written,
+    mooncake_second: RunningServer,
+) -> None:
+    # B has never read these documents; A wrote them to the store.
+    docs, rng = documents(41, 2)
+    first = [mooncake_written.cold[(d, None)] for d in docs]
+    second = mooncake_second
+    before = settled_metrics(second.url, until=idle)
+    # The node that holds every value dies: B's reads recompute, exactly, each
+    # within the store's timeouts (complete() bounds a request's time).
+    mooncake.kill_storage_node()
+    again = [complete(second, d) for d in docs]
+    assert [text(r) for r in again] == [text(r) for r in first]
+    # A new node comes up: the tier writes through again. The store client may
+    # still be in its back-off when the first new documents are stored, so new
+    # ones come until a write lands (bounded by count, not by time).
+    mooncake.restart_storage_node()
+    written = before[OFFLOAD + "remote_written_blocks_total"]
+    for _ in range(60):
+        complete(second, random_words(rng, BLOCKS * BLOCK_SIZE + 3))
+        # One more step reports what the last document's writes did.
+        after = stepped_until(second, lambda m: True)
+        if after[OFFLOAD + "remote_written_blocks_total"] > written:
+            break
+    assert after[OFFLOAD + "remote_written_blocks_total"] > written
+    assert after[OFFLOAD + "failed_transfers_total"] == before.get(
+        OFFLOAD + "failed_transfers_total", 0
+    )
+
+
 def test_a_store_that_is_down_costs_recomputes_not_answers(tiny_model: str) -> None:
     """Each read, cold and then from the engine's cache, answers as an engine with no
     store does: a cold answer is compared with a cold one and a cached one with one
     of the same hit length (on some CPUs the two kinds differ in the last bits)."""
     # Nothing listens on this port: every store call fails at once.
     dead = f"redis://127.0.0.1:{free_port()}"
-    rng = random.Random(37)
-    docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(2)]
+    docs, _ = documents(37, 2)
     remote = ("--swap-space-remote", dead)
     host_only = [f for f in server_flags(dead) if f not in remote]
 
@@ -183,54 +293,23 @@ def test_a_store_that_is_down_costs_recomputes_not_answers(tiny_model: str) -> N
     assert m.get(OFFLOAD + "remote_hit_tokens_total", 0) == 0
 
 
-def test_a_storage_node_that_dies_costs_no_wrong_token_and_no_hang(
-    tiny_model: str, mooncake: MooncakeServers
-) -> None:
-    flags = server_flags(mooncake.url)
-    rng = random.Random(41)
-    docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(2)]
-    with running_server(tiny_model, flags, env=MOONCAKE_ENV) as first_server:
-        first = [complete(first_server, d) for d in docs[:2]]
-        stepped_until(first_server, all_written(2 * (BLOCKS - 1)))
-    with running_server(tiny_model, flags, env=MOONCAKE_ENV) as second:
-        before = settled_metrics(second.url, until=idle)
-        # The node that holds every value dies: B's reads recompute, exactly, each
-        # within the store's timeouts (complete() bounds a request's time).
-        mooncake.kill_storage_node()
-        again = [complete(second, d) for d in docs[:2]]
-        assert [text(r) for r in again] == [text(r) for r in first]
-        # A new node comes up: the tier writes through again. The store client may
-        # still be in its back-off when the first new documents are stored, so new
-        # ones come until a write lands (bounded by count, not by time).
-        mooncake.restart_storage_node()
-        written = before[OFFLOAD + "remote_written_blocks_total"]
-        for _ in range(60):
-            complete(second, random_words(rng, BLOCKS * BLOCK_SIZE + 3))
-            # One more step reports what the last document's writes did.
-            after = stepped_until(second, lambda m: True)
-            if after[OFFLOAD + "remote_written_blocks_total"] > written:
-                break
-        assert after[OFFLOAD + "remote_written_blocks_total"] > written
-        assert after[OFFLOAD + "failed_transfers_total"] == before.get(
-            OFFLOAD + "failed_transfers_total", 0
-        )
+def fetch_documents() -> tuple[str, str]:
+    """The document whose fetch is held, and the one decoded meanwhile."""
+    (doc, other), _ = documents(43, 2)
+    return doc, other
 
 
 def test_a_fetch_that_waits_holds_back_no_other_request(
-    tiny_model: str, redis_url: str, tmp_path: Path
+    tiny_model: str, redis_url: str, redis_written: Written, tmp_path: Path
 ) -> None:
     """B's read of A's document waits on a fetch held at a gate (a store call that
     takes as long as the test wants); meanwhile another request decodes to its end.
     Only then does the gate open, and the held read answers as A did, from the
     store."""
-    rng = random.Random(43)
-    doc, other = (random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(2))
-    with running_server(tiny_model, server_flags(redis_url)) as first_server:
-        complete(first_server, doc)
-        # The reference: A's answer with the prefix from its own cache, as B's will
-        # come with it from the store (see the first test).
-        first = complete(first_server, doc)
-        stepped_until(first_server, all_written(BLOCKS - 1))
+    doc, other = fetch_documents()
+    # The reference: A's answer with the prefix from its own cache, as B's will
+    # come with it from the store (see read_twice_and_write_through).
+    first = redis_written.cached[(doc, None)]
 
     gate = tmp_path / "gate"
     gated = "py://vllm_cpu_offload.testing.gated_store:GatedStore?" + urlencode(
@@ -271,8 +350,7 @@ def test_tensor_parallel_engines_share_every_ranks_shard(
     """TP=2: each rank writes its shard under its own key; B's hit needs both."""
     flags = [*server_flags(redis_url), "--tensor-parallel-size", "2"]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    rng = random.Random(47)
-    docs = [random_words(rng, BLOCKS * BLOCK_SIZE + 3) for _ in range(2)]
+    docs, _ = documents(47, 2)
     with running_server(tiny_model, flags, env=env) as first_server:
         for d in docs:
             complete(first_server, d)

@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport  # noqa: E402
-from vllm_cpu_offload.remote.store import RemoteStore, Span  # noqa: E402
+from vllm_cpu_offload.remote.store import RemoteStore  # noqa: E402
 from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool  # noqa: E402
 from vllm_cpu_offload.scheduler.kv_groups import kv_groups_of  # noqa: E402
 from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
