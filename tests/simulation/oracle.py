@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+import torch
+
 from vllm_cpu_offload.remote import value_format
 
 _MASK = (1 << 24) - 1
@@ -32,6 +34,7 @@ class Oracle:
         self._prefix: dict[str, list[int]] = {}  # request id -> value per position
         self._blocks: dict[str, list[int]] = {}  # block hash (hex) -> its values
         self._salts: dict[str, int] = {}  # namespace -> engine salt
+        self._tensors: dict[str, torch.Tensor] = {}  # request id -> its values
 
     def add_engine(self, namespace: str, salt: int) -> str | None:
         """Names an engine's KV; a problem when engines whose KV differs share a
@@ -43,6 +46,19 @@ class Oracle:
     @staticmethod
     def slot_value(base: int, engine_salt: int, rank: int) -> int:
         return (base ^ engine_salt ^ (rank * 0x9E3779)) & _MASK
+
+    def slot_values(
+        self, req_id: str, tokens: Sequence[int], engine_salt: int, rank: int
+    ) -> torch.Tensor:
+        """`slot_value` of each position of `tokens`, as float32: what the device KV
+        of those positions holds on this engine and rank."""
+        values = self.prefix_values(req_id, tokens)
+        cached = self._tensors.get(req_id)
+        if cached is None or cached.numel() < len(tokens):
+            cached = torch.tensor(values, dtype=torch.int64)
+            self._tensors[req_id] = cached
+        mix = engine_salt ^ (rank * 0x9E3779)
+        return ((cached[: len(tokens)] ^ mix) & _MASK).to(torch.float32)
 
     def prefix_values(self, req_id: str, tokens: Sequence[int]) -> list[int]:
         """The base value of each position of `tokens` (grown as tokens are added)."""
@@ -63,6 +79,7 @@ class Oracle:
 
     def forget(self, req_id: str) -> None:
         self._prefix.pop(req_id, None)
+        self._tensors.pop(req_id, None)
 
     def check_value(self, key: str, value: bytes) -> str | None:
         """Whether a store value holds what its shard key stands for."""

@@ -46,11 +46,11 @@ class StoreFaults:
 
 
 @dataclass
-class _Pending:
+class PendingCall:
     """A call the store has not finished: timed out (finished by `advance`) or held
     (its own thread finishes it once released)."""
 
-    client: SimStore
+    client: object
     spans: list[Span]
     due: int
     run: Callable[[], Any] | None = None  # timed out: what finishes it
@@ -72,8 +72,10 @@ class SimBackend:
     clients: list[SimStore] = field(default_factory=list)
     # The name the next client gets (set by the world while it builds a worker).
     next_client: str = "scheduler"
-    _pending: list[_Pending] = field(default_factory=list)
+    closed: bool = False
+    _pending: list[PendingCall] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _ticked: threading.Condition = field(default_factory=threading.Condition)
 
     def violation(self, what: str) -> None:
         self.violations.append(f"tick {self.tick}: {what}")
@@ -84,7 +86,9 @@ class SimBackend:
 
     def advance(self, tick: int, *, everything: bool = False) -> None:
         """Finishes the timed-out calls due by `tick` and releases the held ones."""
-        self.tick = tick
+        with self._ticked:
+            self.tick = tick
+            self._ticked.notify_all()
         with self._lock:
             due = [p for p in self._pending if everything or p.due <= tick]
         for p in due:
@@ -99,15 +103,71 @@ class SimBackend:
             elif p.release is not None:
                 p.release.set()  # its thread forgets it once it has run
 
+    def put_values(
+        self,
+        client: str,
+        rng: random.Random,
+        keys: list[str],
+        values: list[list[Span]],
+    ) -> list[bool]:
+        """Stores each value (read from its spans now) unless its key is held; checks
+        that it holds what its key stands for."""
+        stored = []
+        for key, spans in zip(keys, values, strict=True):
+            value = b"".join(ctypes.string_at(s.address, s.size) for s in spans)
+            problem = self.check_value(key, value)
+            if problem is not None:
+                self.violation(f"{client} put {key}: {problem}")
+            if rng.random() < self.faults.refuse:
+                stored.append(False)
+                continue
+            self.data.setdefault(key, value)
+            stored.append(True)
+        return stored
+
+    def get_values(
+        self, rng: random.Random, keys: list[str], into: list[list[Span]]
+    ) -> list[bool]:
+        """Writes each value held into its spans now; False where none is (or one of
+        another length)."""
+        found = []
+        for key, spans in zip(keys, into, strict=True):
+            value = self.data.get(key)
+            if (
+                value is None
+                or len(value) != sum(s.size for s in spans)
+                or rng.random() < self.faults.miss
+            ):
+                found.append(False)
+                continue
+            at = 0
+            for s in spans:
+                ctypes.memmove(s.address, value[at : at + s.size], s.size)
+                at += s.size
+            found.append(True)
+        return found
+
+    def wait_for_tick(self, tick: int) -> None:
+        """Blocks until the world's tick passes `tick` or the world closes."""
+        with self._ticked:
+            self._ticked.wait_for(lambda: self.tick > tick or self.closed)
+
+    def close(self) -> None:
+        """Releases every call still held: the world is done."""
+        with self._ticked:
+            self.closed = True
+            self._ticked.notify_all()
+        self.advance(self.tick + 1, everything=True)
+
     def num_pending(self) -> int:
         with self._lock:
             return len(self._pending)
 
-    def _add(self, pending: _Pending) -> None:
+    def _add(self, pending: PendingCall) -> None:
         with self._lock:
             self._pending.append(pending)
 
-    def _forget(self, pending: _Pending) -> None:
+    def _forget(self, pending: PendingCall) -> None:
         with self._lock:
             self._pending.remove(pending)
 
@@ -133,7 +193,7 @@ class SimStore(RemoteStore):
 
     def unregister(self, span: Span) -> None:
         for used in self.backend.spans_in_use():
-            if _overlap(used, span):
+            if overlap(used, span):
                 self.backend.violation(
                     f"{self.name} unregistered {span} while a call still uses it"
                 )
@@ -186,10 +246,10 @@ class SimStore(RemoteStore):
         due = self.backend.tick + self._rng.randint(1, 4)
         if fate == "timeout":
             future: Future[Any] = Future()
-            self.backend._add(_Pending(self, spans, due, run=run, future=future))
+            self.backend._add(PendingCall(self, spans, due, run=run, future=future))
             raise RemoteCallTimeout(f"{self.name}: {what} timed out (injected)", future)
         release = threading.Event()
-        pending = _Pending(self, spans, due, release=release)
+        pending = PendingCall(self, spans, due, release=release)
         self.backend._add(pending)
         self.blocked = True
         try:
@@ -213,37 +273,11 @@ class SimStore(RemoteStore):
 
     def _put_now(self, keys: list[str], values: list[list[Span]]) -> list[bool]:
         self._check_registered("put (as it reads)", [s for v in values for s in v])
-        stored = []
-        for key, spans in zip(keys, values, strict=True):
-            value = b"".join(ctypes.string_at(s.address, s.size) for s in spans)
-            problem = self.backend.check_value(key, value)
-            if problem is not None:
-                self.backend.violation(f"{self.name} put {key}: {problem}")
-            if self._rng.random() < self.backend.faults.refuse:
-                stored.append(False)
-                continue
-            self.backend.data.setdefault(key, value)
-            stored.append(True)
-        return stored
+        return self.backend.put_values(self.name, self._rng, keys, values)
 
     def _get_now(self, keys: list[str], into: list[list[Span]]) -> list[bool]:
         self._check_registered("get (as it writes)", [s for v in into for s in v])
-        found = []
-        for key, spans in zip(keys, into, strict=True):
-            value = self.backend.data.get(key)
-            if (
-                value is None
-                or len(value) != sum(s.size for s in spans)
-                or self._rng.random() < self.backend.faults.miss
-            ):
-                found.append(False)
-                continue
-            at = 0
-            for s in spans:
-                ctypes.memmove(s.address, value[at : at + s.size], s.size)
-                at += s.size
-            found.append(True)
-        return found
+        return self.backend.get_values(self._rng, keys, into)
 
 
 def _inside(span: Span, region: Span) -> bool:
@@ -253,5 +287,5 @@ def _inside(span: Span, region: Span) -> bool:
     )
 
 
-def _overlap(a: Span, b: Span) -> bool:
+def overlap(a: Span, b: Span) -> bool:
     return a.address < b.address + b.size and b.address < a.address + a.size

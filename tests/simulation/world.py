@@ -42,6 +42,9 @@ SLOT_BYTES = 2 * 4  # K and V of one head of size 1, float32
 PAGE_BYTES = BLOCK_SIZE * SLOT_BYTES
 PREFIXES = 6  # shared document prefixes
 SETTLE_S = 30.0
+SIM_STORE = "tests.simulation.store:SimStore"
+MOONCAKE_STORE = "tests.simulation.mooncake_client:SimMooncakeStore"
+SLOW_STORE = StoreFaults(fail=0.02, timeout=0.05, hold=0.6)
 
 
 class Violation(AssertionError):
@@ -89,6 +92,8 @@ class Engine:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     # Async scheduling: the last step, executed, whose output vLLM has not taken yet.
     pending: tuple[Any, Any] | None = None
+    # Whether the last schedule preempted a request.
+    preempted: bool = False
 
     @property
     def tier(self) -> Any:
@@ -125,16 +130,24 @@ class World:
         # Engine A2 is A's twin (same fingerprint): it reads what A wrote to the store
         # and the reverse. Engine B differs in what its KV depends on (a config
         # override): it must never read their blocks, nor they its.
+        # A2 reaches the store through the product's Mooncake adapter (over a
+        # simulated Mooncake client): its call thread, timeouts, recoveries and
+        # registrations run as they do against a real master.
         self.engines = [
             self._engine("A", model, None, salt=0x000000),
-            self._engine("A2", model, None, salt=0x000000),
+            self._engine("A2", model, None, salt=0x000000, store=MOONCAKE_STORE),
             self._engine("B", model, {"rope_theta": 20000.0}, salt=0x5A5A5A),
         ]
 
     # ---- building ----
 
     def _engine(
-        self, name: str, model: str, overrides: dict[str, Any] | None, salt: int
+        self,
+        name: str,
+        model: str,
+        overrides: dict[str, Any] | None,
+        salt: int,
+        store: str = SIM_STORE,
     ) -> Engine:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -161,7 +174,9 @@ class World:
             kv_role="kv_both",
             kv_connector_extra_config={
                 "swap_space_gib": HOST_BLOCKS * PAGE_BYTES * len(LAYERS) / (1 << 30),
-                "remote_url": f"py://tests.simulation.store:SimStore?world={self.name}",
+                "remote_url": f"py://{store}?world={self.name}",
+                # What a call held past it costs the simulation in wall time.
+                "remote_timeout_s": 0.05,
                 "async_load_tokens": 2 * BLOCK_SIZE,
             },
             kv_load_failure_policy="recompute",
@@ -235,6 +250,14 @@ class World:
                 self.backend.down = self.rng.random() < 0.8
             else:
                 self.backend.down = self.rng.random() < 0.02
+            # Slow spells: most calls are held for ticks, so write-throughs, and the
+            # store jobs that wait for them, span steps (a request is preempted,
+            # resumes and is aborted while its stores are still unreported).
+            slow = self.backend.faults == SLOW_STORE
+            if self.rng.random() < (0.8 if slow else 0.03):
+                self.backend.faults = SLOW_STORE
+            else:
+                self.backend.faults = StoreFaults()
         self.backend.advance(self.step_no, everything=not faults)
         for engine in self.engines:
             for rank in engine.ranks:
@@ -253,6 +276,12 @@ class World:
             self._abort_some(engine)
         if rng.random() < 0.01:
             engine.scheduler.reset_prefix_cache()
+        # Other traffic takes free device blocks now and then, and most often just
+        # after a preemption (the device cache is full then): a preempted request
+        # resumes with a load, and one that still has stores in flight resumes
+        # waiting for it, the state with the most to undo.
+        if rng.random() < (0.5 if engine.preempted else 0.1):
+            self._evict_free_device_blocks(engine)
         mode = rng.random()
         failing = (
             set()
@@ -266,6 +295,14 @@ class World:
             rank.faults.fail_stores = r in failing and not rank.faults.fail_loads
             rank.faults.at_layer = rng.randrange(len(LAYERS))
 
+    @staticmethod
+    def _evict_free_device_blocks(engine: Engine) -> None:
+        """Other traffic takes every free device block: a request preempted or
+        finished a step ago then finds its prefix on the host (or the store) alone."""
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        free = [b for b in pool.blocks if b.ref_cnt == 0]
+        pool.evict_blocks({b.block_id for b in free if b.block_hash is not None})
+
     def _abort_some(self, engine: Engine) -> None:
         """Now and then one request is aborted, whatever its state."""
         from vllm.v1.request import RequestStatus
@@ -275,7 +312,7 @@ class World:
         # state has the most to undo.
         waiting = [r for r in live if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
         roll = self.rng.random()
-        if waiting and roll < 0.15:
+        if waiting and roll < 0.3:
             victim = self.rng.choice(waiting)
         elif live and roll > 0.95:
             victim = self.rng.choice(live)
@@ -330,6 +367,7 @@ class World:
     def _step_or_raise(self, engine: Engine) -> None:
         scheduler = engine.scheduler
         out = scheduler.schedule()
+        engine.preempted = bool(out.preempted_req_ids)
         for req_id in out.num_scheduled_tokens:
             request = scheduler.requests[req_id]
             self.oracle.note_blocks(req_id, request.all_token_ids, request.block_hashes)
@@ -452,27 +490,39 @@ class World:
         """Checks every slot the step reads as computed; writes the computed ones.
         Returns the device blocks whose slots were wrong."""
         manager = engine.scheduler.kv_cache_manager
-        wrong: set[int] = set()
+        read: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        written: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for req_id, count in scheduled.items():
             request = engine.scheduler.requests[req_id]
             (block_ids,) = manager.get_block_ids(req_id)
             done = request.num_computed_tokens - count
             end = done + count
             tokens = self._tokens(engine, request)
-            base = self.oracle.prefix_values(req_id, tokens[:end])[:end]
-            want = torch.tensor(
-                [self.oracle.slot_value(b, engine.salt, r) for b in base],
-                dtype=torch.float32,
-            )
+            want = self.oracle.slot_values(req_id, tokens[:end], engine.salt, r)
             pos = torch.arange(end)
             blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // BLOCK_SIZE]
             offsets = pos % BLOCK_SIZE
-            for layer in LAYERS:
-                kv = engine.ranks[r].kv[layer]
-                got = kv[blocks[:done], 0, offsets[:done]]
-                bad = (got != want[:done, None]).any(dim=1)
-                wrong.update(blocks[:done][bad].tolist())
-                kv[blocks[done:], 0, offsets[done:]] = want[done:, None]
+            read.append((blocks[:done], offsets[:done], want[:done]))
+            written.append((blocks[done:], offsets[done:], want[done:]))
+        if not read:
+            return set()
+        # One scatter and one gather per layer for the whole batch (the per-request
+        # indexing was most of a run's time). Writes go first, as a real layer writes
+        # the step's KV before its attention reads: a request may read blocks that
+        # another one computes in the same step (vLLM caches them at scheduling).
+        read_blocks, read_offsets, read_want = (
+            torch.cat(t) for t in zip(*read, strict=True)
+        )
+        write_blocks, write_offsets, write_want = (
+            torch.cat(t) for t in zip(*written, strict=True)
+        )
+        wrong: set[int] = set()
+        for layer in LAYERS:
+            kv = engine.ranks[r].kv[layer]
+            kv[write_blocks, 0, write_offsets] = write_want[:, None]
+            got = kv[read_blocks, 0, read_offsets]
+            bad = (got != read_want[:, None]).any(dim=1)
+            wrong.update(read_blocks[bad].tolist())
         return wrong
 
     def _settle(self, engine: Engine) -> None:
@@ -484,13 +534,15 @@ class World:
                 continue
             store = io.store
             deadline = time.monotonic() + SETTLE_S
-            while not (
-                io.wait_idle(0.001) or (isinstance(store, SimStore) and store.blocked)
-            ):
+            while not _settled(io, store):
                 if time.monotonic() > deadline:
                     raise Violation(
                         f"step {self.step_no}: a store thread never settled"
                     )
+            if hasattr(store, "check_registrations"):
+                problem = store.check_registrations(io.registered_spans())
+                if problem is not None:
+                    self._violation(problem)
 
     def _quiesce(self) -> None:
         """Faults off, every late call and copy run: requests finish, and nothing is
@@ -590,7 +642,19 @@ class World:
                     rank.connector.shutdown()
             with contextlib.suppress(Exception):
                 engine.scheduler.connector.shutdown()
+        self.backend.close()
         BACKENDS.pop(self.name, None)
+
+
+def _settled(io: Any, store: Any) -> bool:
+    """Whether a worker's store traffic waits for nothing but a later tick."""
+    from tests.simulation.mooncake_client import SimMooncakeStore
+
+    if isinstance(store, SimMooncakeStore):
+        # Its worker waits out a held call's timeout, then the adapter's thread
+        # holds it or is idle.
+        return io.wait_idle(0.001) and store.settled()
+    return io.wait_idle(0.001) or (isinstance(store, SimStore) and store.blocked)
 
 
 def replay_line(seed: int, steps: int, tp: int) -> str:

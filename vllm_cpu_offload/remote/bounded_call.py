@@ -64,12 +64,18 @@ class BoundedCaller:
         self._reason = "connecting"
         self._ever_up = False
         self._down_logged = False  # one line per outage, one when it ends
+        self._outstanding = 0  # calls and jobs queued or running
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     @property
     def is_up(self) -> bool:
         return self._up.is_set()
+
+    @property
+    def is_idle(self) -> bool:
+        """Up, with no call or job queued or running (tests wait for this)."""
+        return self._up.is_set() and self._outstanding == 0
 
     def call(self, fn: Callable[[], T], timeout_s: float, what: str) -> T:
         """`fn()` on the thread, waited for at most `timeout_s`; any failure raises
@@ -81,7 +87,7 @@ class BoundedCaller:
         if not self._up.is_set():
             raise RemoteStoreError(f"{self._name} is down ({self._reason})")
         future: Future[T] = Future()
-        self._jobs.put((fn, future))
+        self._queue((fn, future))
         try:
             result = future.result(timeout=timeout_s)
         except FutureTimeout:
@@ -106,7 +112,12 @@ class BoundedCaller:
         backend is down, once it is up again (a job dropped then could be lost to a
         recovery that had already looked)."""
         if not self._closed:
-            self._jobs.put((fn, Future()))
+            self._queue((fn, Future()))
+
+    def _queue(self, job: _Job) -> None:
+        with self._lock:
+            self._outstanding += 1
+        self._jobs.put(job)
 
     def mark_down(self, reason: str) -> None:
         with self._lock:
@@ -166,6 +177,8 @@ class BoundedCaller:
                     future.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     future.set_exception(e)
+            with self._lock:
+                self._outstanding -= 1
         try:
             self._shutdown()
         except Exception:  # noqa: BLE001 - closing a broken client may fail too

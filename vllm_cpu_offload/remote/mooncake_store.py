@@ -46,6 +46,9 @@ class MooncakeRemoteStore(RemoteStore):
     docstring). `role` "scheduler" builds a client without a transfer buffer (it only
     asks `exists`); "worker" registers its host memory through `register`."""
 
+    # The first wait before asking a store that stopped answering again.
+    min_backoff_s = 0.2
+
     def __init__(self, url: RemoteUrl, *, role: str = "worker") -> None:
         if role not in _LOCAL_BUFFER_BYTES:
             raise ValueError(f"role must be one of {sorted(_LOCAL_BUFFER_BYTES)}")
@@ -66,7 +69,10 @@ class MooncakeRemoteStore(RemoteStore):
         # What the client has registered now (the store's thread only).
         self._registered: set[Span] = set()
         self._caller = BoundedCaller(
-            f"remote store {url}", recover=self._recover, shutdown=self._close_client
+            f"remote store {url}",
+            recover=self._recover,
+            shutdown=self._close_client,
+            min_backoff_s=self.min_backoff_s,
         )
 
     @property
@@ -160,6 +166,11 @@ class MooncakeRemoteStore(RemoteStore):
                 self._sync_registrations_or_log()
                 return
             self._close_client()
+        self._client = self._new_client()
+        self._sync_registrations_or_log()
+
+    def _new_client(self) -> Any:
+        """A Mooncake client set up against the master (raises if it cannot be)."""
         # A failed `setup` holds the GIL for 90 s (20 retries inside Mooncake), so
         # it is only tried once the master and its metadata server take connections.
         _probe_tcp(self._url.host, self._url.port or 0)
@@ -183,8 +194,7 @@ class MooncakeRemoteStore(RemoteStore):
         )
         if rc != 0:
             raise RemoteStoreError(f"setup returned {rc}")
-        self._client = client
-        self._sync_registrations_or_log()
+        return client
 
     def _sync_registrations_or_log(self) -> None:
         try:

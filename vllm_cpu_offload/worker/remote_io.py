@@ -118,6 +118,13 @@ class _Buffers:
         kept = (buffer, *also)
         in_flight.add_done_callback(lambda _: kept)
 
+    def spans(self) -> list[Span]:
+        """The buffers alive now: the one in use and the held ones."""
+        buffers = [buffer for buffer, _ in self._held]
+        if self._current is not None:
+            buffers.append(self._current)
+        return [self._span(buffer) for buffer in buffers]
+
     def _new(self) -> ctypes.Array[ctypes.c_char]:
         buffer = ctypes.create_string_buffer(self._size)
         self._store.register(self._span(buffer))
@@ -161,7 +168,8 @@ class RemoteIO:
         self._block_bytes = host.block_bytes * blocks_per_host_block
         self._fetch_batch = max(1, FETCH_BATCH_BYTES // self._block_bytes)
         self._num_blocks = host.num_host_blocks // blocks_per_host_block
-        store.register(Span(self._base, host.tensor.numel()))
+        self._host_span = Span(self._base, host.tensor.numel())
+        store.register(self._host_span)
         # Headers of one write batch, and a fetch batch's landing place (its headers,
         # then its blocks).
         self._headers = _Buffers(store, WRITE_BATCH * value_format.HEADER_BYTES)
@@ -226,6 +234,11 @@ class RemoteIO:
                     return False
                 self._lock.wait(left)
         return True
+
+    def registered_spans(self) -> list[Span]:
+        """The memory this worker keeps registered with its store: the host buffer
+        and every header and staging buffer alive (read while the worker is idle)."""
+        return [self._host_span, *self._headers.spans(), *self._staging.spans()]
 
     def close(self) -> None:
         with self._lock:
