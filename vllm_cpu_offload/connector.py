@@ -1,8 +1,8 @@
 """`CPUOffloadConnector`: the thin KV connector that joins vLLM to the host tier.
 
-It only forwards: the scheduler role to `HostTierScheduler` (engine core process), the
-worker role to `HostTierWorker` (each worker). Both roles size the host tier the same
-way, from `--swap-space` and the KV bytes of one block in this worker's shard.
+It only forwards: `OffloadSpec` works the tier out from vLLM's config and builds the
+scheduler role's `HostTierScheduler` (engine core process) or the worker role's
+`HostTierWorker` (each worker).
 """
 
 from __future__ import annotations
@@ -19,38 +19,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_cpu_offload.config import OffloadConfig
-from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.events import remote_kv_events, to_kv_events
-from vllm_cpu_offload.kv_identity import unshared_notice
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import (
     OffloadPromMetrics,
     OffloadStats,
     SchedulerStatsReporter,
 )
-from vllm_cpu_offload.persist.block_index import BlockIndex
-from vllm_cpu_offload.persist.data_file import TierDataFile
-from vllm_cpu_offload.persist.fingerprint import (
-    this_worker_name,
-    tier_fingerprint,
-    worker_names,
-)
-from vllm_cpu_offload.remote.namespace import namespace_of
-from vllm_cpu_offload.remote.registry import open_store
-from vllm_cpu_offload.remote.store import wait_until_answering
-from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
-from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
-from vllm_cpu_offload.scheduler.policies import make_policy
-from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
-from vllm_cpu_offload.worker.tier_worker import HostTierWorker, RemoteSettings
-
-# Under vLLM's logger, so that its handler and format show these lines as vLLM's own.
-logger = init_logger("vllm.cpu_offload")
+from vllm_cpu_offload.spec import OffloadSpec
+from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,53 +50,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def block_bytes_of(kv_cache_config: KVCacheConfig) -> int:
-    """KV bytes of one device block id over all KV tensors of this worker's shard.
-
-    That is what one host block holds. With the hybrid KV cache manager, layers of
-    different groups share tensors and a block id belongs to one group, so a block is
-    one slice of each tensor, not one page per layer of the model.
-    """
-    if kv_cache_config.kv_cache_tensors and kv_cache_config.num_blocks:
-        return (
-            sum(t.size for t in kv_cache_config.kv_cache_tensors)
-            // kv_cache_config.num_blocks
-        )
-    return sum(
-        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        for group in kv_cache_config.kv_cache_groups
-    )
-
-
-def num_host_blocks_for(config: OffloadConfig, block_bytes: int) -> int:
-    """How many blocks `--swap-space` holds; refuses a size that holds none."""
-    blocks = config.swap_space_bytes // block_bytes
-    if blocks < 1:
-        raise OffloadConfigError(
-            f"--swap-space {config.swap_space_gib:g} GiB holds no KV block of "
-            f"{block_bytes / (1 << 20):.2f} MiB; raise --swap-space to at least "
-            f"{block_bytes / GIB:.4f}"
-        )
-    return blocks
-
-
-def _log_restore(index: BlockIndex, adopted: int) -> None:
-    why = index.rebuilt_because
-    if why is None:
-        torn = (
-            f", {index.torn_records} torn record(s) dropped"
-            if index.torn_records
-            else ""
-        )
-        logger.info(
-            "CPU offload tier at %s: %d blocks restored%s", index.path, adopted, torn
-        )
-    elif why == "new":
-        logger.info("CPU offload tier at %s: created", index.path)
-    else:
-        logger.warning("CPU offload tier at %s starts empty: %s", index.path, why)
-
-
 class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Keeps evicted KV blocks in host memory and loads them back within the step.
 
@@ -132,119 +65,16 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        assert vllm_config.kv_transfer_config is not None
-        self.offload_config = OffloadConfig.from_extra_config(
-            vllm_config.kv_transfer_config.kv_connector_extra_config
-        )
-        block_size = vllm_config.cache_config.block_size
-        self.kv_groups = kv_groups_of(kv_cache_config, block_size)
-        # A host block holds k device blocks; the worker's host buffer has k
-        # slots for each.
-        k = self.offload_config.blocks_per_host_block(block_size)
-        if k > 1 and not all(g.is_full for g in self.kv_groups):
-            raise OffloadConfigError(
-                "offload_block_size needs full attention in every KV cache group, but "
-                f"the model has {describe(self.kv_groups)}; drop offload_block_size"
-            )
-        block_bytes = block_bytes_of(kv_cache_config)
-        self.num_host_blocks = num_host_blocks_for(self.offload_config, block_bytes * k)
-        events_config = vllm_config.kv_events_config
-        self._publish_events = bool(
-            events_config and events_config.enable_kv_cache_events
-        )
+        self.spec = OffloadSpec(vllm_config, kv_cache_config)
+        self.num_host_blocks = self.spec.num_host_blocks
+        self._publish_events = self.spec.publish_events
         self._stats_reporter = SchedulerStatsReporter()
         self.scheduler: HostTierScheduler | None = None
         self.worker: HostTierWorker | None = None
-        path = self.offload_config.swap_space_path
-        fingerprint = (
-            tier_fingerprint(vllm_config, self.kv_groups, self.num_host_blocks, k)
-            if path is not None
-            else {}
-        )
-        self._index: BlockIndex | None = None
-        url = self.offload_config.remote_url
-        timeout_s = self.offload_config.remote_timeout_s
-        namespace = namespace_of(vllm_config, self.kv_groups, k) if url else ""
-        if namespace is None:  # nothing identifies the weights: nothing to share under
-            url, namespace = None, ""
-        self._remote_lookup: RemoteLookup | None = None
         if role == KVConnectorRole.SCHEDULER:
-            notice = unshared_notice(
-                vllm_config,
-                persisted=path is not None,
-                shared=self.offload_config.remote_url is not None,
-            )
-            if notice is not None:
-                logger.warning(notice)
-            if len(self.kv_groups) > 1:
-                logger.info(
-                    "CPU offload serves KV cache groups: %s", describe(self.kv_groups)
-                )
-            if path is not None:
-                self._index = BlockIndex(
-                    path, fingerprint, self.num_host_blocks, worker_names(vllm_config)
-                )
-                restored = self._index.open()
-            pool = HostBlockPool(
-                self.num_host_blocks,
-                make_policy(self.offload_config.eviction_policy, self.num_host_blocks),
-                persistence=self._index,
-            )
-            if self._index is not None:
-                adopted = pool.restore((b.host_id, b.key, b.parent) for b in restored)
-                _log_restore(self._index, adopted)
-            if url is not None:
-                store = open_store(url, role="scheduler")
-                self._remote_lookup = RemoteLookup(
-                    store, worker_names(vllm_config), timeout_s=timeout_s
-                )
-                answering = wait_until_answering(store, timeout_s)
-                logger.info(
-                    "CPU offload shared tier: %s, namespace %s%s",
-                    store.description,
-                    namespace,
-                    "" if answering else " (not answering yet: connects when it does)",
-                )
-            parallel = vllm_config.parallel_config
-            self.scheduler = HostTierScheduler(
-                pool,
-                block_size=block_size,
-                num_workers=parallel.tensor_parallel_size
-                * parallel.pipeline_parallel_size,
-                block_bytes=block_bytes,
-                groups=self.kv_groups,
-                record_stored_blocks=self._publish_events,
-                blocks_per_host_block=k,
-                remote=self._remote_lookup,
-                namespace=namespace,
-                async_load_tokens=self.offload_config.async_load_tokens,
-            )
+            self.scheduler = self.spec.build_scheduler()
         else:
-            self.worker = HostTierWorker(
-                self.num_host_blocks * k,
-                kv_cache_config.num_blocks,
-                data_file=(
-                    TierDataFile(path, this_worker_name(), fingerprint)
-                    if path is not None
-                    else None
-                ),
-                copy_backend=self.offload_config.copy_backend,
-                blocks_per_host_block=k,
-                remote=(
-                    RemoteSettings(
-                        lambda: open_store(url, role="worker"),
-                        namespace,
-                        this_worker_name(),
-                        timeout_s,
-                    )
-                    if url is not None
-                    else None
-                ),
-                # A sliding-window group releases blocks while its request runs: a
-                # store still reading one must end before the next step's compute
-                # may reuse it.
-                fence_stores=not all(g.is_full for g in self.kv_groups),
-            )
+            self.worker = self.spec.build_worker()
 
     def _sched(self) -> HostTierScheduler:
         assert self.scheduler is not None, "scheduler-side method called on a worker"
@@ -329,10 +159,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
-        if self._index is not None:
-            self._index.close()
-        if self._remote_lookup is not None:
-            self._remote_lookup.close()
+        self.spec.close()
 
     @classmethod
     @override

@@ -82,7 +82,8 @@ def check_vllm_version(version: str) -> None:
 
 def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     """Validates the offload settings of `engine_args`; returns None when offloading is
-    off.
+    off. Settings already validated are not validated again: the command line's
+    `from_cli_args` and `create_engine_config` both ask, for the same settings.
 
     Raises OffloadConfigError for: --swap-space without --enable-cpu-offload, a bad
     size, a size over the host memory available, another KV connector, or vLLM's own
@@ -90,6 +91,34 @@ def resolve_offload(engine_args: Any) -> OffloadConfig | None:
     connector is validated here too, so that its errors also come before the engine
     starts.
     """
+    settings = repr([getattr(engine_args, name, None) for name in _SETTINGS_READ])
+    resolved = _resolved.get(id(engine_args))
+    if resolved is not None and resolved[0] == settings:
+        return resolved[1]
+    config = _resolve_offload(engine_args)
+    if resolved is None:
+        weakref.finalize(engine_args, _resolved.pop, id(engine_args), None)
+    _resolved[id(engine_args)] = (settings, config)
+    return config
+
+
+# What `resolve_offload` reads of the engine arguments, and what it resolved them to,
+# by the arguments' id while they live. Not an attribute of theirs: vLLM's scripts
+# build new arguments from `vars()` of old ones.
+_resolved: dict[int, tuple[str, OffloadConfig | None]] = {}
+_SETTINGS_READ = (
+    "enable_cpu_offload",
+    "swap_space",
+    "swap_space_path",
+    "swap_space_remote",
+    "kv_transfer_config",
+    "kv_offloading_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+)
+
+
+def _resolve_offload(engine_args: Any) -> OffloadConfig | None:
     enabled = bool(getattr(engine_args, "enable_cpu_offload", False))
     swap_space = getattr(engine_args, "swap_space", None)
     swap_space_path = getattr(engine_args, "swap_space_path", None)

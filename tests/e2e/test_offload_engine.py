@@ -82,7 +82,10 @@ def test_engine_starts_with_our_connector_on_both_sides(llm: Any) -> None:
     assert isinstance(sched, CPUOffloadConnector) and sched.scheduler is not None
     assert isinstance(worker, CPUOffloadConnector) and worker.worker is not None
     assert worker.worker.engine is not None, "register_kv_caches was not called"
-    assert sched.num_host_blocks == worker.num_host_blocks > 0
+    # Both halves size the tier alike; the worker counts slots, k per host block.
+    tier, k = worker.worker, sched.scheduler.blocks_per_host_block
+    assert tier.blocks_per_host_block == k
+    assert tier.num_slots == sched.num_host_blocks * k > 0
 
 
 def test_evicted_prompt_comes_back_from_host_with_equal_outputs(

@@ -28,7 +28,7 @@ COPIERS = {"triton": TritonBlockCopier, "torch": TorchBlockCopier}
 
 def _setup(layout: str, dtype: torch.dtype):
     caches, block_dim = make_kv_caches(layout, dtype=dtype)
-    host = HostBuffer.for_kv_caches(caches, num_host_blocks=6)
+    host = HostBuffer.for_kv_caches(caches, num_slots=6)
     host.tensor.copy_(torch.randint(0, 256, host.tensor.shape, dtype=torch.uint8))
     return caches, block_dim, host
 
@@ -52,7 +52,7 @@ def test_store_all_layers(layout, dtype, pairs, copier_cls):
             assert torch.equal(
                 host.layer_view(name)[h].cpu(), block_bytes(t, block_dim, d)
             )
-    untouched = [h for h in range(host.num_host_blocks) if h not in host_ids]
+    untouched = [h for h in range(host.num_slots) if h not in host_ids]
     assert torch.equal(host.tensor[untouched], before[untouched])
 
 

@@ -17,7 +17,7 @@ def _tables(
     layout: str, device_ids: list[int], host_ids: list[int], num_layers: int = 3
 ):
     caches, block_dim = make_kv_caches(layout, num_layers=num_layers, device="cpu")
-    host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
+    host = HostBuffer.for_kv_caches(caches, num_slots=6, pin=False)
     group = dma._Group(list(caches), list(caches.values()), host, max_pitch=1 << 31)
     tables = dma._Tables(group, torch.tensor(device_ids), torch.tensor(host_ids))
     return caches, block_dim, host, tables
@@ -84,7 +84,7 @@ def test_consecutive_pairs_of_one_dense_layer_merge():
 def test_whole_blocks_go_pitched_where_layers_sit_at_one_distance(layout, pitched):
     # Layer-compact layouts with one run per layer-block: a block is one 2D copy.
     caches, _ = make_kv_caches(layout, device="cpu")
-    host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
+    host = HostBuffer.for_kv_caches(caches, num_slots=6, pin=False)
     group = dma._Group(list(caches), list(caches.values()), host, max_pitch=1 << 31)
     assert (group.pitches is not None) is pitched
     if pitched:
@@ -97,7 +97,7 @@ def test_whole_blocks_go_pitched_where_layers_sit_at_one_distance(layout, pitche
 
 def test_pitch_above_the_device_limit_falls_back_to_batches():
     caches, _ = make_kv_caches("LBHNC", device="cpu")
-    host = HostBuffer.for_kv_caches(caches, num_host_blocks=6, pin=False)
+    host = HostBuffer.for_kv_caches(caches, num_slots=6, pin=False)
     group = dma._Group(list(caches), list(caches.values()), host, max_pitch=64)
     assert group.pitches is None
 
@@ -116,7 +116,7 @@ def test_dma_round_trip_byte_exact(layout, dtype):
     if not cuda_runtime().available:
         pytest.skip(cuda_runtime().why_unavailable)
     caches, block_dim = make_kv_caches(layout, dtype=dtype)
-    host = HostBuffer.for_kv_caches(caches, num_host_blocks=6)
+    host = HostBuffer.for_kv_caches(caches, num_slots=6)
     copier = dma.DmaBlockCopier(caches, host)
     device_ids, host_ids = [6, 0, 3, 4], [1, 4, 0, 5]
     copier.copy(True, torch.tensor(device_ids), torch.tensor(host_ids))

@@ -157,7 +157,7 @@ class World:
             KVCacheGroupSpec,
         )
 
-        import vllm_cpu_offload.connector as connector_module
+        import vllm_cpu_offload.spec as spec_module
         from vllm_cpu_offload.connector import CPUOffloadConnector
         from vllm_cpu_offload.persist.fingerprint import rank_name
 
@@ -195,7 +195,7 @@ class World:
         for r in range(self.tp):
             self.backend.next_client = f"{name}/tp{r}"
             with mock.patch.object(
-                connector_module, "this_worker_name", lambda r=r: rank_name(r, 0)
+                spec_module, "this_worker_name", lambda r=r: rank_name(r, 0)
             ):
                 worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
             # vLLM's CPU layout: [blocks, kv heads, block size, 2 * head size].
@@ -455,13 +455,15 @@ class World:
     ) -> dict[str, list[int]]:
         """A request that ends its prompt or decodes samples a token that its prefix
         determines, and the workers' view of its tokens grows by it; a prefill chunk
-        samples nothing (vLLM's model runner discards it)."""
+        samples nothing (vLLM's model runner discards it). A chunk is a prefill chunk
+        as vLLM's scheduler marked it: a request recomputed after a preemption or a
+        failed load is one until it passes its output tokens, not just its prompt."""
         sampled = {}
         for req_id in scheduled:
             request = engine.scheduler.requests[req_id]
             tokens = self._tokens(engine, request)
             end = request.num_computed_tokens
-            if end < request.num_prompt_tokens:
+            if request.is_prefill_chunk:
                 sampled[req_id] = []
                 continue
             values = self.oracle.prefix_values(req_id, tokens[:end])
@@ -529,7 +531,7 @@ class World:
         """Waits until each rank's store thread is idle or held in a call: what the
         workers see next then depends on the seed alone."""
         for rank in engine.ranks:
-            io = rank.connector.worker.remote_io
+            io = rank.connector.worker.shared.remote_io
             if io is None:
                 continue
             store = io.store
@@ -590,7 +592,7 @@ class World:
             # vLLM hands finished ids to the workers in its next step.
             or engine.scheduler.finished_req_ids
             or tier.num_jobs_in_flight
-            or tier._writing
+            or tier.shared.num_held_writes
             or any(rank.copies.num_late for rank in engine.ranks)
         )
 
@@ -605,24 +607,22 @@ class World:
             "jobs": tier.num_jobs_in_flight,
             "pinned": tier.pool.num_pinned,
             "storing": tier.pool.num_storing,
-            "held writes": len(tier._writing),
+            "held writes": tier.shared.num_held_writes,
         }
         for r, rank in enumerate(engine.ranks):
             w = rank.connector.worker
-            left[f"rank {r} worker books"] = sum(
+            left[f"rank {r} worker books"] = w.shared.num_jobs_in_flight + sum(
                 map(
                     len,
                     (
                         w._store_req,
-                        w._async_loads,
-                        w._writes,
                         +w._stores_in_flight,
                         w._awaiting_free,
                         w._async_req,
                     ),
                 )
             )
-            io = w.remote_io
+            io = w.shared.remote_io
             if io is not None and not io.wait_idle(SETTLE_S):
                 left[f"rank {r} store thread busy"] = 1
         leaks = {k: v for k, v in left.items() if v}

@@ -91,7 +91,7 @@ def test_the_check_leaves_a_restored_block_zero_as_it_was(tmp_path: Path) -> Non
     # The check ran: a probe over a one-block scratch buffer, then the real copier.
     assert len(factory.hosts) == 2
     probe_host, real_host = factory.hosts
-    assert probe_host is not host and probe_host.num_host_blocks == 1
+    assert probe_host is not host and probe_host.num_slots == 1
     assert real_host is host
     # A hit on host block 0 loads what engine 1 stored.
     _step(worker, OffloadStepMetadata(loads=[BlockTransfer(2, [5], [0], "b")]))

@@ -389,3 +389,21 @@ def test_async_load_tokens_is_a_count_of_tokens(bad: object) -> None:
     assert OffloadConfig.from_extra_config(zero.to_extra_config()) == zero
     with pytest.raises(OffloadConfigError, match="async_load_tokens must be a number"):
         flags.resolve_offload(_args(kv_transfer_config=_extra(async_load_tokens=bad)))
+
+
+def test_settings_already_validated_are_not_validated_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The command line's from_cli_args and create_engine_config both resolve the same
+    # settings: the size is parsed and checked once; changed settings are again.
+    calls: list[object] = []
+    real = flags.parse_swap_space
+    monkeypatch.setattr(
+        flags, "parse_swap_space", lambda v, *a: calls.append(v) or real(v, *a)
+    )
+    args = _args(enable_cpu_offload=True, swap_space="1")
+    first = flags.resolve_offload(args)
+    assert flags.resolve_offload(args) is first and calls == ["1"]
+    args.swap_space = "2"
+    second = flags.resolve_offload(args)
+    assert second is not None and second.swap_space_gib == 2 and calls == ["1", "2"]

@@ -21,7 +21,7 @@ def _caches() -> dict[str, torch.Tensor]:
 
 def test_block_major_slots() -> None:
     # Three layers of 256-byte blocks: a host block is their three slots back to back.
-    host = HostBuffer.for_kv_caches(_caches(), num_host_blocks=5, pin=False)
+    host = HostBuffer.for_kv_caches(_caches(), num_slots=5, pin=False)
     assert host.block_bytes == 3 * 256
     assert host.slot_offsets == {"l0": 0, "l1": 256, "l2": 512}
     assert host.tensor.shape == (5, 768) and host.tensor.is_contiguous()
@@ -36,7 +36,7 @@ def test_shared_caches_share_a_slot() -> None:
     # Cross-layer KV sharing: the second name of one tensor gets no slot of its own.
     caches = _caches()
     caches["shared"] = caches["l0"]
-    host = HostBuffer.for_kv_caches(caches, num_host_blocks=2, pin=False)
+    host = HostBuffer.for_kv_caches(caches, num_slots=2, pin=False)
     assert list(host.slot_offsets) == ["l0", "l1", "l2"]
 
 
@@ -49,14 +49,14 @@ def test_slots_align_to_16_bytes() -> None:
 
 
 def test_not_pinned_without_cuda() -> None:
-    host = HostBuffer.for_kv_caches(_caches(), num_host_blocks=1)
+    host = HostBuffer.for_kv_caches(_caches(), num_slots=1)
     assert host.pinned == torch.cuda.is_available()
     assert host.tensor.is_pinned() == host.pinned
 
 
 def test_bad_sizes_raise_value_error() -> None:
-    with pytest.raises(ValueError, match="num_host_blocks"):
-        HostBuffer.for_kv_caches(_caches(), num_host_blocks=0)
+    with pytest.raises(ValueError, match="num_slots"):
+        HostBuffer.for_kv_caches(_caches(), num_slots=0)
     with pytest.raises(ValueError, match="at least one layer"):
         HostBuffer({}, 4)
 
@@ -98,7 +98,7 @@ def test_pinning_registers_the_exact_size(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(
         host_buffer, "_host_unregister", lambda ptr: calls.append((ptr, -1))
     )
-    host = HostBuffer.for_kv_caches(_caches(), num_host_blocks=3, pin=True)
+    host = HostBuffer.for_kv_caches(_caches(), num_slots=3, pin=True)
     assert calls == [(host.tensor.data_ptr(), 3 * 768)]
     ptr = host.tensor.data_ptr()
     del host
@@ -108,7 +108,7 @@ def test_pinning_registers_the_exact_size(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_on_cuda() -> None:
-    host = HostBuffer.for_kv_caches(_caches(), num_host_blocks=2)
+    host = HostBuffer.for_kv_caches(_caches(), num_slots=2)
     assert host.pinned and host.tensor.is_pinned()
 
 
@@ -125,7 +125,7 @@ def test_a_mapped_tier_that_cannot_be_pinned_runs_unpinned(
     data_file = TierDataFile(str(tmp_path), "tp0-pp0", {"model": "m"})
     with caplog.at_level(logging.WARNING, logger=host_buffer.__name__):
         host = HostBuffer.for_kv_caches(
-            _caches(), num_host_blocks=3, pin=True, data_file=data_file
+            _caches(), num_slots=3, pin=True, data_file=data_file
         )
     assert not host.pinned and not host.tensor.is_pinned()
     assert cleared == [True]
@@ -136,7 +136,7 @@ def test_a_mapped_tier_that_cannot_be_pinned_runs_unpinned(
     data_file.close()
     data_file = TierDataFile(str(tmp_path), "tp0-pp0", {"model": "m"})
     again = HostBuffer.for_kv_caches(
-        _caches(), num_host_blocks=3, pin=False, data_file=data_file
+        _caches(), num_slots=3, pin=False, data_file=data_file
     )
     assert data_file.rebuilt_because is None
     assert int(again.tensor[2].min()) == 7
@@ -149,7 +149,7 @@ def test_a_mapped_tier_on_cuda_is_pinned_or_leaves_cuda_clean(tmp_path: Path) ->
     # Whether this machine's kernel pins file pages or not, the buffer says which it
     # is, and the next CUDA work runs.
     data_file = TierDataFile(str(tmp_path), "tp0-pp0", {"model": "m"})
-    host = HostBuffer.for_kv_caches(_caches(), num_host_blocks=3, data_file=data_file)
+    host = HostBuffer.for_kv_caches(_caches(), num_slots=3, data_file=data_file)
     assert host.pinned == host.tensor.is_pinned()
     assert int(torch.ones(4, device="cuda").sum()) == 4
     del host

@@ -445,7 +445,7 @@ def _written_through(engine: Engine) -> None:
     their reports to the scheduler (an idle engine runs none): the written blocks are
     evictable again."""
     assert engine.worker.worker is not None
-    io = engine.worker.worker.remote_io
+    io = engine.worker.worker.shared.remote_io
     assert io is not None and io.wait_idle(60)
     engine.step()
 
@@ -560,12 +560,14 @@ def test_kv_events_say_what_the_shared_store_holds_and_what_it_lacks(
         for h in host
     ), (host, remote)
 
-    assert a.worker.worker is not None and a.worker.worker.remote_io is not None
-    rank = a.worker.worker.remote_io.rank
+    assert a.worker.worker is not None
+    io = a.worker.worker.shared.remote_io
+    assert io is not None
+    rank = io.rank
     request = b.request(7, prompt_tokens)
     torn = redis.Redis.from_url(redis_url)
     for block_hash in request.block_hashes[:6]:
-        key = shard_key(a.tier._remote_key((0, block_hash)), rank)
+        key = shard_key(a.tier.shared.remote_key((0, block_hash)), rank)
         assert torn.set(key, b"torn")
     torn.close()
     b.run(request)

@@ -1,11 +1,11 @@
-"""The host tier's memory: one allocation of `num_host_blocks` blocks, block-major.
+"""The host tier's memory: one allocation of `num_slots` slots, slot-major.
 
-A host block holds every layer's KV of one device block back to back (layer slots in
-registration order; for each layer its runs in order), so one host block is one
-contiguous byte range: evicting, copying or hashing a block never touches another
-block's memory.
+A slot holds every layer's KV of one device block back to back (layer slots in
+registration order; for each layer its runs in order), so one slot is one contiguous
+byte range: evicting, copying or hashing a block never touches another block's memory.
+The scheduler's host block is `blocks_per_host_block` consecutive slots.
 
-    byte of (host block h, layer l, run c)
+    byte of (slot h, layer l, run c)
         = h * block_bytes + slot_offset[l] + c * chunk_bytes
 
 Pinned (page-locked and mapped) when CUDA is available, so device kernels read and write
@@ -55,13 +55,15 @@ def _align(n: int) -> int:
 
 
 class HostBuffer:
-    """Host memory for `num_host_blocks` KV blocks of the given layers.
+    """Host memory for `num_slots` KV blocks of the given layers, one per slot.
 
     Attributes:
-        tensor: uint8 `[num_host_blocks, block_bytes]`, contiguous.
+        tensor: uint8 `[num_slots, block_bytes]`, contiguous.
+        num_slots: how many device blocks it holds (host blocks times
+            `blocks_per_host_block`).
         layouts: layer name -> its device layout, for the layers that own a slot.
-        slot_offsets: layer name -> byte offset of its slot inside every host block.
-        block_bytes: bytes of one host block (all layers).
+        slot_offsets: layer name -> byte offset of its layer slot inside every slot.
+        block_bytes: bytes of one slot (all layers).
         pinned: whether the memory is page-locked.
 
     """
@@ -69,14 +71,14 @@ class HostBuffer:
     def __init__(
         self,
         layouts: Mapping[str, KVLayout],
-        num_host_blocks: int,
+        num_slots: int,
         *,
         pin: bool | None = None,
         device: torch.device | None = None,
         data_file: TierDataFile | None = None,
     ) -> None:
-        if num_host_blocks < 1:
-            raise ValueError(f"num_host_blocks must be >= 1, got {num_host_blocks}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not layouts:
             raise ValueError("a host buffer needs at least one layer")
         self.layouts = dict(layouts)
@@ -86,20 +88,20 @@ class HostBuffer:
             self.slot_offsets[name] = offset
             offset += _align(layout.block_bytes)
         self.block_bytes = offset
-        self.num_host_blocks = num_host_blocks
+        self.num_slots = num_slots
         on_device = device is not None and device.type != "cpu"
         self.pinned = not on_device and (
             torch.cuda.is_available() if pin is None else pin
         )
         # Staging, not --swap-space: an allocation error speaks for itself.
         if on_device:
-            shape = (num_host_blocks, self.block_bytes)
+            shape = (num_slots, self.block_bytes)
             self.tensor = torch.empty(shape, dtype=torch.uint8, device=device)
         elif data_file is not None:
             described = {name: repr(layout) for name, layout in self.layouts.items()}
-            self.tensor = data_file.map(num_host_blocks, self.block_bytes, described)
+            self.tensor = data_file.map(num_slots, self.block_bytes, described)
         else:
-            self.tensor = _allocate(num_host_blocks, self.block_bytes)
+            self.tensor = _allocate(num_slots, self.block_bytes)
         if self.pinned and data_file is not None:
             self.pinned = _pin_mapped_file(self.tensor, data_file.path)
         elif self.pinned:
@@ -112,7 +114,7 @@ class HostBuffer:
     def for_kv_caches(
         cls,
         kv_caches: Mapping[str, torch.Tensor],
-        num_host_blocks: int,
+        num_slots: int,
         *,
         num_blocks: int | None = None,
         pin: bool | None = None,
@@ -125,14 +127,14 @@ class HostBuffer:
             name: KVLayout.from_tensor(kv_caches[name], num_blocks=num_blocks)
             for name in dict.fromkeys(canonical.values())
         }
-        return cls(layouts, num_host_blocks, pin=pin, data_file=data_file)
+        return cls(layouts, num_slots, pin=pin, data_file=data_file)
 
     @property
     def nbytes(self) -> int:
-        return self.num_host_blocks * self.block_bytes
+        return self.num_slots * self.block_bytes
 
     def block(self, host_block_id: int) -> torch.Tensor:
-        """The bytes of one host block (a view)."""
+        """The bytes of one slot (a view)."""
         return self.tensor[host_block_id]
 
     def layout_groups(self, names: Iterable[str]) -> list[list[str]]:
@@ -144,7 +146,8 @@ class HostBuffer:
         return list(groups.values())
 
     def layer_view(self, layer_name: str) -> torch.Tensor:
-        """uint8 `[num_host_blocks, layer block bytes]` view of one layer's slots."""
+        """uint8 `[num_slots, layer block bytes]` view of one layer's layer slot in
+        every slot."""
         start = self.slot_offsets[layer_name]
         return self.tensor[:, start : start + self.layouts[layer_name].block_bytes]
 

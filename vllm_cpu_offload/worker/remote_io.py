@@ -167,7 +167,7 @@ class RemoteIO:
         self._base = host.tensor.data_ptr()
         self._block_bytes = host.block_bytes * blocks_per_host_block
         self._fetch_batch = max(1, FETCH_BATCH_BYTES // self._block_bytes)
-        self._num_blocks = host.num_host_blocks // blocks_per_host_block
+        self._num_host_blocks = host.num_slots // blocks_per_host_block
         self._host_span = Span(self._base, host.tensor.numel())
         store.register(self._host_span)
         # Headers of one write batch, and a fetch batch's landing place (its headers,
@@ -298,7 +298,7 @@ class RemoteIO:
             in_flight.add_done_callback(returned)
 
     def _span(self, host_block: int) -> Span:
-        if not 0 <= host_block < self._num_blocks:
+        if not 0 <= host_block < self._num_host_blocks:
             raise ValueError(f"host block {host_block} out of range")
         return Span(self._base + host_block * self._block_bytes, self._block_bytes)
 

@@ -1,9 +1,10 @@
 """The worker half of the connector: runs each step's loads and stores, reports jobs
 back.
 
-One instance per worker. It owns the host buffer (through the transfer engine), and
-keeps the book of which finished requests still wait for their stores, so that their
-device blocks are freed only after the copies read them.
+One instance per worker. It owns the host buffer (through the transfer engine) and its
+seam to the shared store (`shared`, worker/shared_tier.py: a null object without one),
+and keeps the book of which finished requests still wait for their stores, so that
+their device blocks are freed only after the copies read them.
 """
 
 from __future__ import annotations
@@ -11,24 +12,24 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
-from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer, RemoteBlocks
+from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadStats
 from vllm_cpu_offload.persist.data_file import TierDataFile
-from vllm_cpu_offload.remote.store import RemoteStore
-from vllm_cpu_offload.worker.copiers.copy_threads import (
-    ThreadsBesideTheModel,
-    threads_started_beside_the_model,
-)
 from vllm_cpu_offload.worker.copiers.select import Candidate
 from vllm_cpu_offload.worker.fault_injection import FaultInjector
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
-from vllm_cpu_offload.worker.remote_io import RemoteIO
+from vllm_cpu_offload.worker.shared_tier import (
+    FetchedLoad,
+    NoSharedTierWorker,
+    RemoteSettings,
+    SharedTierDone,
+    open_shared_tier_worker,
+)
 from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -39,26 +40,18 @@ logger = logging.getLogger(__name__)
 IDLE_FETCH_WAIT_S = 0.01
 
 
-@dataclass(frozen=True)
-class RemoteSettings:
-    """How this worker reaches the shared store (`--swap-space-remote`)."""
-
-    open_store: Callable[[], RemoteStore]
-    namespace: str
-    rank: str
-    timeout_s: float
-
-
 class HostTierWorker:
     """Drives the transfer engine through one engine step at a time.
 
+    `num_slots`: the host buffer's slots, each holding one device block;
+    `blocks_per_host_block` of them make one of the scheduler's host blocks.
     `copier_candidates` replaces the platform's copier choice (tests: the start-up
     check of CUDA's copiers, run on any platform; `copiers/select.py`).
     """
 
     def __init__(
         self,
-        num_host_blocks: int,
+        num_slots: int,
         num_device_blocks: int,
         *,
         data_file: TierDataFile | None = None,
@@ -69,8 +62,7 @@ class HostTierWorker:
         blocks_per_host_block: int = 1,
         idle_fetch_wait_s: float = IDLE_FETCH_WAIT_S,
     ) -> None:
-        # Host slots: `blocks_per_host_block` of them make one host block.
-        self.num_host_blocks = num_host_blocks
+        self.num_slots = num_slots
         self.blocks_per_host_block = blocks_per_host_block
         self.fence_stores = fence_stores
         self.copy_backend = copy_backend
@@ -89,16 +81,11 @@ class HostTierWorker:
         # request -> store jobs in flight
         self._stores_in_flight: Counter[str] = Counter()
         self.remote = remote
-        self.remote_io: RemoteIO | None = None
-        self._store_threads: ThreadsBesideTheModel | None = None
-        # async load -> its plan, until its blocks are loaded
-        self._async_loads: dict[int, AsyncLoad] = {}
+        # The store is reached once the host buffer exists (`register_kv_caches`).
+        self.shared: NoSharedTierWorker = NoSharedTierWorker()
         # async load job -> device blocks it will not fill (recomputed by vLLM)
         self._async_unloaded: dict[int, list[int]] = {}
         self._finished_recving: set[str] = set()
-        # store job -> what to write through once it is done here
-        self._writes: dict[int, RemoteBlocks] = {}
-        self._remote_stats: Counter[str] = Counter()
         self._awaiting_free: set[str] = set()  # finished requests the scheduler holds
         self._report = OffloadWorkerReport()
         self._load_errors: set[int] = set()
@@ -113,7 +100,7 @@ class HostTierWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         host = HostBuffer.for_kv_caches(
             kv_caches,
-            self.num_host_blocks,
+            self.num_slots,
             num_blocks=self.num_device_blocks,
             data_file=self.data_file,
         )
@@ -124,22 +111,12 @@ class HostTierWorker:
             candidates=self.copier_candidates,
             fence_stores=self.fence_stores,
         )
-        if self.remote is not None:
-            k = self.blocks_per_host_block
-            # The store's threads (and its client's) write through while the model
-            # computes: off the model's cores where the machine has others.
-            with threads_started_beside_the_model() as self._store_threads:
-                self.remote_io = RemoteIO(
-                    self.remote.open_store(),
-                    host,
-                    blocks_per_host_block=k,
-                    rank=self.remote.rank,
-                    namespace=self.remote.namespace,
-                    timeout_s=self.remote.timeout_s,
-                    # Queued writes pin their host blocks: at most a quarter of
-                    # the tier.
-                    max_queued_writes=max(1, host.num_host_blocks // k // 4),
-                )
+        self.shared = open_shared_tier_worker(
+            self.remote,
+            host,
+            blocks_per_host_block=self.blocks_per_host_block,
+            idle_fetch_wait_s=self.idle_fetch_wait_s,
+        )
 
     def _engine(self) -> TransferEngine:
         assert self.engine is not None, "register_kv_caches was not called"
@@ -162,28 +139,17 @@ class HostTierWorker:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
         self._step_stores = self._without_injected_faults(metadata.stores)
-        for write in metadata.writes:
-            self._writes[write.job_id] = write
+        self.shared.plan_writes(metadata.writes)
         for async_load in metadata.async_loads:
             self._start_async_load(async_load)
-        if self._store_threads is not None:
-            # A step that only waits for fetches leaves the model's cores to them.
-            if metadata.idle and self._async_loads:
-                self._store_threads.spread()
-            else:
-                self._store_threads.gather()
+        self.shared.place_threads(idle=metadata.idle)
 
     def _start_async_load(self, async_load: AsyncLoad) -> None:
         """Fetches the hit's missing blocks on the store thread; `get_finished` loads
         the hit once they are in host memory. A hit in host memory alone loads now."""
         load = async_load.load
         self._async_req[load.job_id] = load.req_id
-        self._async_loads[load.job_id] = async_load
-        if self.remote_io is None or not async_load.fetch.keys:
-            # Nothing to fetch, or no store here (it failed to open): nothing arrives.
-            self._fetched(load.job_id, [False] * len(async_load.fetch.keys))
-        else:
-            self.remote_io.fetch(async_load.fetch)
+        self._apply(self.shared.fetch(async_load))
 
     def start_loads(self, metadata: OffloadStepMetadata) -> None:
         """Queues the step's loads; vLLM calls this before the forward when there are
@@ -239,64 +205,37 @@ class HostTierWorker:
         if self.engine is None:
             return None, None
         self._collect(self.engine.poll_finished())
-        if self.remote_io is not None:
-            if self._idle_step and self._async_loads:
-                self.remote_io.wait_for_fetch(self.idle_fetch_wait_s)
-            results = self.remote_io.poll()
-            for job_id, arrived in results.fetched.items():
-                self._fetched(job_id, arrived)
-            for job_id, stored in results.written.items():
-                self._wrote(job_id, stored)
-            self._remote_stats.update(results.stats)
-            if results.fetched:
-                # The CPU platform loaded them already.
-                self._collect(self.engine.poll_finished())
+        shared_done = self.shared.poll(idle=self._idle_step)
+        self._apply(shared_done)
+        if shared_done.fetched:
+            # The CPU platform loaded them already.
+            self._collect(self.engine.poll_finished())
         done = {r for r in self._awaiting_free if not self._stores_in_flight[r]}
         self._awaiting_free -= done
         recving, self._finished_recving = self._finished_recving, set()
         return done or None, recving or None
 
-    def _fetched(self, job_id: int, arrived: list[bool]) -> None:
-        """An async load's fetch ended: loads the hit up to its first block that did
-        not arrive; vLLM recomputes from there."""
-        async_load = self._async_loads.pop(job_id, None)
-        if async_load is None:
-            return
-        self._report.fetched[job_id] = arrived
+    def _apply(self, done: SharedTierDone) -> None:
+        """Takes over what the shared tier finished: loads, then reports."""
+        for fetched in done.fetched:
+            self._load_fetched(fetched)
+        for job_id, stored in done.written.items():
+            self._wrote(job_id, stored)
+
+    def _load_fetched(self, fetched: FetchedLoad) -> None:
+        """An async load's fetch ended: loads the part of the hit in host memory;
+        vLLM recomputes the rest."""
+        job_id, load = fetched.job_id, fetched.load
+        self._report.fetched[job_id] = fetched.arrived
         self._report.fetch_reports[job_id] += 1
-        load, fetch = async_load.load, async_load.fetch
-        k = self.blocks_per_host_block
-        arrived_blocks = set()
-        for host_block, ok in zip(fetch.host_blocks, arrived, strict=True):
-            if not ok:
-                break
-            arrived_blocks.add(host_block)
-        cut = async_load.fetched_from
-        while (
-            cut < len(load.device_block_ids)
-            and load.host_block_ids[cut] // k in arrived_blocks
-        ):
-            cut += 1
-        self._async_unloaded[job_id] = [
-            *load.device_block_ids[cut:],
-            *async_load.unloadable,
-        ]
-        self._load_device_blocks[job_id] = load.device_block_ids[:cut]
-        if cut == 0:
+        self._async_unloaded[job_id] = fetched.unloaded
+        self._load_device_blocks[job_id] = load.device_block_ids
+        if len(load.device_block_ids) == 0:
             self._collect(FinishedJobs(loads={job_id}))
             return
         start = time.perf_counter()
         # No step waits for it: vLLM schedules the request once it is reported.
-        self._engine().start_background_loads(
-            [
-                BlockTransfer(
-                    job_id,
-                    load.device_block_ids[:cut],
-                    load.host_block_ids[:cut],
-                    req_id=load.req_id,
-                )
-            ]
-        )
+        self._engine().start_background_loads([load])
         self._load_seconds += time.perf_counter() - start
 
     def _collect(self, finished: FinishedJobs) -> None:
@@ -325,12 +264,7 @@ class HostTierWorker:
             # the request again.
             self._load_errors.update(unloaded)
             self._finished_recving.add(self._async_req.pop(job_id))
-        write = self._writes.pop(job_id, None)
-        if write is not None:
-            if stored and self.remote_io is not None:
-                self.remote_io.write(write)
-            else:
-                self._wrote(job_id, [False] * len(write.keys))
+        self._apply(self.shared.copy_ended(job_id, stored=stored))
         self._store_done(job_id)
 
     def _wrote(self, job_id: int, stored: list[bool]) -> None:
@@ -358,15 +292,15 @@ class HostTierWorker:
         return report
 
     def take_stats(self) -> OffloadStats | None:
-        if not (self._load_seconds or self._store_seconds or self._remote_stats):
+        remote = self.shared.take_stats()
+        if not (self._load_seconds or self._store_seconds or remote):
             return None
         data: dict[str, float] = {
             "load_seconds": self._load_seconds,
             "store_seconds": self._store_seconds,
+            **remote,
         }
-        data.update({f"remote_{k}": v for k, v in self._remote_stats.items()})
         self._load_seconds = self._store_seconds = 0.0
-        self._remote_stats = Counter()
         return OffloadStats(data=data)
 
     def drain(self) -> None:
@@ -376,10 +310,6 @@ class HostTierWorker:
 
     def shutdown(self) -> None:
         self.drain()
-        if self.remote_io is not None:
-            # Writes still queued get a bounded while to land (other engines may read
-            # them soon); past it they are dropped: the store is a cache.
-            self.remote_io.wait_idle(2 * self.remote_io.timeout_s)
-            self.remote_io.close()
+        self.shared.close()
         if self.data_file is not None:
             self.data_file.close()

@@ -429,13 +429,13 @@ class TransferEngine:
 
     def _check(self, d: torch.Tensor, h: torch.Tensor) -> str | None:
         if d.numel() != h.numel():
-            return f"{d.numel()} device blocks but {h.numel()} host blocks"
+            return f"{d.numel()} device blocks but {h.numel()} host slots"
         if d.numel() == 0:
             return None
         if int(d.min()) < 0 or int(d.max()) >= self.num_device_blocks:
             return f"device block id out of range [0, {self.num_device_blocks})"
-        if int(h.min()) < 0 or int(h.max()) >= self.host.num_host_blocks:
-            return f"host block id out of range [0, {self.host.num_host_blocks})"
+        if int(h.min()) < 0 or int(h.max()) >= self.host.num_slots:
+            return f"host slot id out of range [0, {self.host.num_slots})"
         return None
 
     def _ids(

@@ -67,9 +67,7 @@ class BounceBlockCopier:
     ) -> None:
         blocks = bounce_blocks or max(1, BOUNCE_BYTES // host.block_bytes)
         self._host = host
-        self._bounce = HostBuffer(
-            host.layouts, min(blocks, host.num_host_blocks), pin=pin
-        )
+        self._bounce = HostBuffer(host.layouts, min(blocks, host.num_slots), pin=pin)
         self._inner = make_inner(kv_caches, self._bounce)
         self._device = next(iter(kv_caches.values())).device
         self._on_cuda = self._device.type == "cuda"
@@ -79,7 +77,7 @@ class BounceBlockCopier:
             else self._device
         )
         # The bounce rows as the inner copier reads ids, placed there once.
-        self._slots = torch.arange(self._bounce.num_host_blocks, dtype=torch.int64).to(
+        self._slots = torch.arange(self._bounce.num_slots, dtype=torch.int64).to(
             self._inner_ids_device
         )
         # The last load's device hop: the bounce rows are free once it has run. Until
@@ -92,7 +90,7 @@ class BounceBlockCopier:
 
     @property
     def bounce_blocks(self) -> int:
-        return self._bounce.num_host_blocks
+        return self._bounce.num_slots
 
     def copy(
         self,

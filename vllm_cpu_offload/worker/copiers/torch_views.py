@@ -124,7 +124,7 @@ class _Stack:
         )
         host_flat = host.tensor.view(-1).view(dtype)
         host_view = host_flat.as_strided(
-            (host.num_host_blocks, *shape),
+            (host.num_slots, *shape),
             (
                 host.block_bytes // word,
                 self.slot_step // word or 1,

@@ -1,0 +1,89 @@
+"""The worker's seam to the shared store, over a stand-in for the store's thread: how a
+fetch's result cuts its load, and when a write-through is reported."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer, RemoteBlocks
+from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults
+from vllm_cpu_offload.worker.shared_tier import NoSharedTierWorker, SharedTierWorker
+
+K = 2  # slots per host block
+
+
+class _Thread:
+    """Records what the seam hands to the store's thread; `results` is the next poll."""
+
+    def __init__(self) -> None:
+        self.fetches: list[RemoteBlocks] = []
+        self.writes: list[RemoteBlocks] = []
+        self.results = RemoteResults()
+        self.waited = 0
+
+    def fetch(self, job: RemoteBlocks) -> None:
+        self.fetches.append(job)
+
+    def write(self, job: RemoteBlocks) -> bool:
+        self.writes.append(job)
+        return True
+
+    def poll(self) -> RemoteResults:
+        results, self.results = self.results, RemoteResults()
+        return results
+
+    def wait_for_fetch(self, timeout_s: float) -> bool:
+        self.waited += 1
+        return False
+
+
+def _tier() -> tuple[SharedTierWorker, _Thread]:
+    thread = _Thread()
+    io = cast(RemoteIO, cast(Any, thread))
+    return SharedTierWorker(
+        io, None, blocks_per_host_block=K, idle_fetch_wait_s=0
+    ), thread
+
+
+def _hit() -> AsyncLoad:
+    # Slots 0-1 were in host memory; host blocks 1, 2 and 3 (slots 2-7) are fetched.
+    return AsyncLoad(
+        load=BlockTransfer(5, list(range(10, 18)), list(range(8)), req_id="r"),
+        fetch=RemoteBlocks(5, ["a", "b", "c"], [1, 2, 3]),
+        fetched_from=2,
+        unloadable=[30],
+    )
+
+
+def test_without_a_store_the_hit_loads_what_host_memory_held() -> None:
+    # No store: the fetch ends at once, nothing arrived; the host part loads.
+    (done,) = NoSharedTierWorker().fetch(_hit()).fetched
+    assert done.arrived == [False] * 3
+    assert list(done.load.device_block_ids) == [10, 11]
+    assert done.unloaded == [*range(12, 18), 30]
+
+
+def test_a_fetch_loads_up_to_its_first_missing_host_block() -> None:
+    # Host block 2 missed: host block 3 arrived but is past the gap, so it stays out.
+    tier, thread = _tier()
+    assert tier.fetch(_hit()).fetched == [] and thread.fetches == [_hit().fetch]
+    assert tier.num_jobs_in_flight == 1
+    thread.results = RemoteResults(fetched={5: [True, False, True]})
+    (done,) = tier.poll(idle=True).fetched
+    assert thread.waited == 1 and tier.num_jobs_in_flight == 0
+    assert list(done.load.host_block_ids) == [0, 1, 2, 3]
+    assert done.load.req_id == "r" and done.arrived == [True, False, True]
+    assert done.unloaded == [*range(14, 18), 30]
+
+
+def test_a_write_through_starts_only_after_a_good_store() -> None:
+    # A failed store writes nothing and is reported at once; a good one is queued.
+    tier, thread = _tier()
+    tier.plan_writes([RemoteBlocks(1, ["a", "b"], [0, 1]), RemoteBlocks(2, ["c"], [2])])
+    assert tier.copy_ended(1, stored=False).written == {1: [False, False]}
+    assert tier.copy_ended(2, stored=True).written == {} and len(thread.writes) == 1
+    assert tier.copy_ended(3, stored=True).written == {}  # no write planned for it
+    thread.results = RemoteResults(written={2: [True]}, stats={"written_blocks": 1})
+    assert tier.poll(idle=False).written == {2: [True]}
+    assert tier.take_stats() == {"remote_written_blocks": 1}
+    assert tier.take_stats() == {}

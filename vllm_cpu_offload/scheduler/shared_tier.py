@@ -1,0 +1,309 @@
+"""The shared store as the scheduler half sees it: block keys in, pool states out.
+
+`SharedTier` asks the store how much of a prefix it holds past the host hit, names the
+blocks an async load fetches and the blocks every store writes through, and settles
+both once every worker reported: fetched blocks become visible (or are freed and not
+asked for again for a while), and a store's host blocks stay held until every
+worker's write-through has read them. `NoSharedTier` is the same seam without a store:
+nothing to ask, fetch or write, and a store's blocks settle when the copy does.
+
+It never sees a request: the scheduler half keeps what it asked per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from vllm_cpu_offload.block_transfer import RemoteBlocks
+from vllm_cpu_offload.metadata import and_of
+from vllm_cpu_offload.remote.namespace import block_key
+from vllm_cpu_offload.scheduler.block_pool import BlockKey
+from vllm_cpu_offload.scheduler.manager import HostTierManager
+from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
+from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks
+from vllm_cpu_offload.scheduler.tier_stats import TierStats
+
+# A block the shared store listed but did not serve is not asked for again for this
+# long (its storage node may have died; a block written again after that is found
+# again), and at most this many such keys are remembered.
+UNFETCHABLE_FOR_S = 30.0
+UNFETCHABLE_MAX_KEYS = 1 << 16
+
+
+@dataclass(frozen=True)
+class RemoteTierEvent:
+    """Blocks the shared store holds now ("stored": every worker wrote its shard), or
+    blocks it listed and did not serve ("missing"), in order; for KV events."""
+
+    kind: Literal["stored", "missing"]
+    keys: tuple[BlockKey, ...]
+    # "stored", when every block of a store job was written: what its events say
+    detail: list[StoredBlocks] | None = None
+
+
+@dataclass(frozen=True)
+class _Writing:
+    """A store job whose blocks wait until every worker wrote them through."""
+
+    keys: list[BlockKey]
+    stored: list[StoredBlocks] | None  # for KV events
+    success: bool  # every worker's store succeeded
+
+
+class NoSharedTier:
+    """No store: lookups find nothing, loads fetch nothing, stores write nothing."""
+
+    def __init__(self, pool: HostTierManager) -> None:
+        self.pool = pool
+
+    @property
+    def num_held_writes(self) -> int:
+        """Store jobs whose blocks wait for write-throughs (tests, quiescence)."""
+        return 0
+
+    def hits(self, keys: Iterable[BlockKey]) -> int:
+        return 0
+
+    def fetch(
+        self, job_id: int, keys: list[BlockKey], host_blocks: list[int]
+    ) -> RemoteBlocks:
+        return RemoteBlocks(job_id, [], [])
+
+    def fetch_reported(
+        self, job_id: int, fetched: list[BlockKey], arrived: list[bool], reports: int
+    ) -> tuple[list[BlockKey], list[BlockKey]] | None:
+        return None
+
+    def fetch_abandoned(self, job_id: int, fetched: list[BlockKey]) -> None:
+        self.pool.complete_store(fetched, False)
+
+    def write_through(
+        self, job_id: int, keys: list[BlockKey], host_blocks: list[int]
+    ) -> list[RemoteBlocks]:
+        return []
+
+    def store_completed(
+        self,
+        job_id: int,
+        keys: list[BlockKey],
+        stored: list[StoredBlocks] | None,
+        success: bool,
+    ) -> None:
+        self.pool.complete_store(keys, success, stored)
+
+    def write_reported(
+        self, job_id: int, count: int, stored: list[bool] | None
+    ) -> None:
+        pass
+
+    def take_events(self) -> list[RemoteTierEvent]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class SharedTier(NoSharedTier):
+    """A store every engine of the fleet shares (see the module docstring)."""
+
+    def __init__(
+        self,
+        pool: HostTierManager,
+        lookup: RemoteLookup,
+        namespace: str,
+        *,
+        num_workers: int,
+        stats: TierStats,
+        tokens_per_key: int,
+        record_events: bool,
+    ) -> None:
+        super().__init__(pool)
+        self.lookup = lookup
+        self.namespace = namespace
+        self.num_workers = num_workers
+        self.stats = stats
+        self.tokens_per_key = tokens_per_key
+        self.record_events = record_events
+        # async job -> for each fetched block, whether it arrived on every worker so
+        # far, and how many workers reported
+        self._fetch_results: dict[int, list[bool]] = {}
+        self._fetch_reports: Counter[int] = Counter()
+        # store jobs whose write-through was planned and has not ended everywhere
+        self._writes_planned: set[int] = set()
+        # store job -> blocks held until every worker wrote them through
+        self._writing: dict[int, _Writing] = {}
+        self._write_reports: Counter[int] = Counter()
+        # store job -> for each block, whether every worker that reported wrote it
+        self._write_stored: dict[int, list[bool]] = {}
+        self._events: list[RemoteTierEvent] = []
+        # key -> until when the store is not asked for it (a fetch of it failed)
+        self._unfetchable: OrderedDict[BlockKey, float] = OrderedDict()
+
+    @property
+    def num_held_writes(self) -> int:
+        return len(self._writing)
+
+    def remote_key(self, key: BlockKey) -> str:
+        group_id, block_hash = cast(tuple[int, Any], key)
+        return block_key(self.namespace, group_id, block_hash)
+
+    # ---- lookups and fetches ----
+
+    def hits(self, keys: Iterable[BlockKey]) -> int:
+        """How many of `keys` (a prefix's next host blocks, in order) the store holds
+        on every rank; a block the pool holds, in any state, or one that failed to
+        arrive lately ends the run."""
+        now = time.monotonic()
+        asked: list[BlockKey] = []
+        for key in keys:
+            if key in self.pool or self._unfetchable.get(key, 0.0) > now:
+                break
+            asked.append(key)
+        self.stats.remote_lookup_tokens += len(asked) * self.tokens_per_key
+        failures = self.lookup.failures
+        hits = self.lookup.count_hits([self.remote_key(key) for key in asked])
+        self.stats.remote_lookup_failures += self.lookup.failures - failures
+        return hits
+
+    def fetch(
+        self, job_id: int, keys: list[BlockKey], host_blocks: list[int]
+    ) -> RemoteBlocks:
+        return RemoteBlocks(job_id, [self.remote_key(k) for k in keys], host_blocks)
+
+    def fetch_reported(
+        self, job_id: int, fetched: list[BlockKey], arrived: list[bool], reports: int
+    ) -> tuple[list[BlockKey], list[BlockKey]] | None:
+        """Workers' fetches of `fetched` ended. Once every worker has reported: the
+        blocks that arrived on every worker become visible, the rest are freed and not
+        asked for again for a while; returns (arrived, missing), else None."""
+        both = and_of(self._fetch_results.get(job_id), arrived)
+        self._fetch_results[job_id] = both
+        self._fetch_reports[job_id] += reports
+        if self._fetch_reports[job_id] < self.num_workers:
+            return None
+        del self._fetch_results[job_id], self._fetch_reports[job_id]
+        good = [key for key, ok in zip(fetched, both, strict=True) if ok]
+        bad = [key for key, ok in zip(fetched, both, strict=True) if not ok]
+        if bad:
+            self.pool.complete_store(bad, False)
+            self._remember_unfetchable(bad)
+            if self.record_events:
+                self._events.append(RemoteTierEvent("missing", tuple(bad)))
+        if good:
+            self.pool.complete_store(good, True)
+        self.stats.remote_fetched_blocks += len(good)
+        self.stats.remote_missed_blocks += len(bad)
+        return good, bad
+
+    def fetch_abandoned(self, job_id: int, fetched: list[BlockKey]) -> None:
+        """The job ended before every worker reported its fetch: nothing arrived."""
+        super().fetch_abandoned(job_id, fetched)
+        self._fetch_results.pop(job_id, None)
+        self._fetch_reports.pop(job_id, None)
+
+    def _remember_unfetchable(self, keys: list[BlockKey]) -> None:
+        """Blocks the store listed but did not serve are not offered again for a
+        while: its index may outlive a dead storage node."""
+        until = time.monotonic() + UNFETCHABLE_FOR_S
+        for key in keys:
+            self._unfetchable.pop(key, None)
+            self._unfetchable[key] = until
+        while len(self._unfetchable) > UNFETCHABLE_MAX_KEYS:
+            self._unfetchable.popitem(last=False)
+
+    # ---- write-through ----
+
+    def write_through(
+        self, job_id: int, keys: list[BlockKey], host_blocks: list[int]
+    ) -> list[RemoteBlocks]:
+        """What every worker writes to the store once its copy of store `job_id` is
+        done."""
+        self._writes_planned.add(job_id)
+        return [RemoteBlocks(job_id, [self.remote_key(k) for k in keys], host_blocks)]
+
+    def store_completed(
+        self,
+        job_id: int,
+        keys: list[BlockKey],
+        stored: list[StoredBlocks] | None,
+        success: bool,
+    ) -> None:
+        """Every worker's copy of a store ended. A worker whose store succeeded writes
+        its blocks through, reading them, whether or not another worker's failed: they
+        stay held until every worker's write ended. Those of a store that succeeded
+        are visible meanwhile (pinned); those of a failed one stay STORING, then go."""
+        if success:
+            self.pool.complete_store(keys, True, stored)
+            self.pool.pin(keys)
+        self._writing[job_id] = _Writing(keys, stored, success)
+        self.write_reported(job_id, 0, None)
+
+    def write_reported(
+        self, job_id: int, count: int, stored: list[bool] | None
+    ) -> None:
+        """`count` workers wrote a store job through (or gave up), `stored` saying
+        which blocks they wrote: once every worker did, and its copy ended, no worker
+        reads its host blocks any more. They may then be evicted (a store that
+        succeeded) or freed (one that failed on some worker), and those every worker
+        wrote are the store's (a KV event)."""
+        if job_id not in self._writes_planned:
+            return
+        self._write_reports[job_id] += count
+        if stored is not None:
+            self._write_stored[job_id] = and_of(self._write_stored.get(job_id), stored)
+        if job_id not in self._writing:
+            return
+        if self._write_reports[job_id] < self.num_workers:
+            return
+        writing = self._writing.pop(job_id)
+        self._writes_planned.discard(job_id)
+        del self._write_reports[job_id]
+        flags = self._write_stored.pop(job_id, None) or [False] * len(writing.keys)
+        if not writing.success:
+            self.pool.complete_store(writing.keys, False)
+            return
+        self.pool.unpin(writing.keys)
+        if self.record_events and any(flags):
+            keys = writing.keys
+            written = tuple(key for key, ok in zip(keys, flags, strict=True) if ok)
+            whole = len(written) == len(keys)
+            self._events.append(
+                RemoteTierEvent("stored", written, writing.stored if whole else None)
+            )
+
+    def take_events(self) -> list[RemoteTierEvent]:
+        """What the store gained or was found to lack since the last call (recorded
+        only while KV events are on)."""
+        events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        self.lookup.close()
+
+
+def shared_tier_of(
+    pool: HostTierManager,
+    lookup: RemoteLookup | None,
+    namespace: str,
+    *,
+    num_workers: int,
+    stats: TierStats,
+    tokens_per_key: int,
+    record_events: bool,
+) -> NoSharedTier:
+    """The scheduler's view of the store `lookup` asks (none: `NoSharedTier`)."""
+    if lookup is None:
+        return NoSharedTier(pool)
+    return SharedTier(
+        pool,
+        lookup,
+        namespace,
+        num_workers=num_workers,
+        stats=stats,
+        tokens_per_key=tokens_per_key,
+        record_events=record_events,
+    )
