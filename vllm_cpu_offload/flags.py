@@ -118,6 +118,29 @@ _SETTINGS_READ = (
 )
 
 
+def _refuse_without_enable(
+    swap_space: object, swap_space_path: object, swap_space_remote: object
+) -> None:
+    """Each tier flag given without --enable-cpu-offload is an error."""
+    if swap_space is not None:
+        raise OffloadConfigError(
+            "--swap-space sizes the host KV tier and needs --enable-cpu-offload; "
+            "add --enable-cpu-offload or drop --swap-space"
+        )
+    if swap_space_path is not None:
+        raise OffloadConfigError(
+            "--swap-space-path keeps the host KV tier in files and needs "
+            "--enable-cpu-offload; add --enable-cpu-offload or drop "
+            "--swap-space-path"
+        )
+    if swap_space_remote is not None:
+        raise OffloadConfigError(
+            "--swap-space-remote puts a shared store behind the host KV tier and "
+            "needs --enable-cpu-offload; add --enable-cpu-offload or drop "
+            "--swap-space-remote"
+        )
+
+
 def _resolve_offload(engine_args: Any) -> OffloadConfig | None:
     enabled = bool(getattr(engine_args, "enable_cpu_offload", False))
     swap_space = getattr(engine_args, "swap_space", None)
@@ -126,23 +149,7 @@ def _resolve_offload(engine_args: Any) -> OffloadConfig | None:
     ktc = engine_args.kv_transfer_config
     names_ours = names_our_connector(ktc)
     if not enabled:
-        if swap_space is not None:
-            raise OffloadConfigError(
-                "--swap-space sizes the host KV tier and needs --enable-cpu-offload; "
-                "add --enable-cpu-offload or drop --swap-space"
-            )
-        if swap_space_path is not None:
-            raise OffloadConfigError(
-                "--swap-space-path keeps the host KV tier in files and needs "
-                "--enable-cpu-offload; add --enable-cpu-offload or drop "
-                "--swap-space-path"
-            )
-        if swap_space_remote is not None:
-            raise OffloadConfigError(
-                "--swap-space-remote puts a shared store behind the host KV tier and "
-                "needs --enable-cpu-offload; add --enable-cpu-offload or drop "
-                "--swap-space-remote"
-            )
+        _refuse_without_enable(swap_space, swap_space_path, swap_space_remote)
         if not names_ours:
             return None
         config = OffloadConfig.from_extra_config(ktc.kv_connector_extra_config)

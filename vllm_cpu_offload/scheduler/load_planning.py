@@ -173,20 +173,7 @@ class LoadPlanning:
         )
         end = first + count
         assert end % k == 0, "a host hit ends at a host block's end"
-        null = self._null_block_id
-        keys: list[BlockKey] = []
-        # Per key: its group, and the blocks it loads.
-        spans: list[tuple[int, list[int]]] = []
-        for group in self.groups:
-            ids = device_block_ids[group.group_id]
-            start = max(first, group.first_needed_block(end, self.block_size))
-            for hb in range(start // k, end // k):
-                span = [
-                    j for j in range(max(hb * k, start), hb * k + k) if ids[j] != null
-                ]
-                if span:
-                    keys.append((group.group_id, hashes[hb * k + k - 1]))
-                    spans.append((group.group_id, span))
+        keys, spans = self._load_spans(hashes, device_block_ids, first, end)
         device_ids: list[int] = []
         slots: list[int] = []
         loaded = self.stats.loaded_by_group
@@ -203,6 +190,31 @@ class LoadPlanning:
         state.planned_upto = max(state.planned_upto, end)
         self.stats.hit_tokens += num_external_tokens
         self.stats.loaded_blocks += len(device_ids)
+
+    def _load_spans(
+        self,
+        hashes: Sequence[Any],
+        device_block_ids: Sequence[Sequence[int]],
+        first: int,
+        end: int,
+    ) -> tuple[list[BlockKey], list[tuple[int, list[int]]]]:
+        """The host blocks a load of blocks [first, end) reads, and per host block
+        its group and the blocks it fills: each group's from its first needed block
+        on, skipping the null blocks a window group holds outside its window."""
+        k, null = self.blocks_per_host_block, self._null_block_id
+        keys: list[BlockKey] = []
+        spans: list[tuple[int, list[int]]] = []
+        for group in self.groups:
+            ids = device_block_ids[group.group_id]
+            start = max(first, group.first_needed_block(end, self.block_size))
+            for hb in range(start // k, end // k):
+                span = [
+                    j for j in range(max(hb * k, start), hb * k + k) if ids[j] != null
+                ]
+                if span:
+                    keys.append((group.group_id, hashes[hb * k + k - 1]))
+                    spans.append((group.group_id, span))
+        return keys, spans
 
     def _plan_async_load(
         self, state: RequestState, ids: Sequence[int], num_external_tokens: int
@@ -230,22 +242,7 @@ class LoadPlanning:
                 device_ids.append(ids[j])
                 slots.append(host_id * k + j % k)
         fetched_from = len(device_ids)
-        # The fetched part: host blocks allocated now, STORING until the fetch ends. A
-        # run cut short (no room, a key held meanwhile) loads what it got; vLLM
-        # recomputes the rest.
-        wanted = self._keys(0, hashes, remote_start, remote_end)
-        parent = (0, hashes[remote_start * k - 1]) if remote_start > 0 else None
-        got = self.pool.allocate_for_store(wanted, parent) if wanted else []
-        fetched: list[BlockKey] = []
-        host_blocks: list[int] = []
-        for key, (got_key, host_id) in zip(wanted, got, strict=False):
-            if key != got_key:
-                break
-            fetched.append(key)
-            host_blocks.append(host_id)
-        beyond = [key for key, _ in got[len(fetched) :]]
-        if beyond:
-            self.pool.complete_store(beyond, False)
+        fetched, host_blocks = self._allocate_fetched(hashes, remote_start, remote_end)
         for n, host_id in enumerate(host_blocks):
             hb = remote_start + n
             for j in range(max(hb * k, first), min(hb * k + k, end)):
@@ -273,6 +270,28 @@ class LoadPlanning:
         self.stats.async_hit_tokens += host_tokens
         self.stats.remote_hit_tokens += loaded_tokens - host_tokens
         self.stats.loaded_blocks += len(device_ids)
+
+    def _allocate_fetched(
+        self, hashes: Sequence[Any], start_hb: int, end_hb: int
+    ) -> tuple[list[BlockKey], list[int]]:
+        """Host blocks [start_hb, end_hb) of an async load that come from the shared
+        store: allocated now, STORING until the fetch ends. A run cut short (no room,
+        a key held meanwhile) loads what it got; vLLM recomputes the rest."""
+        k = self.blocks_per_host_block
+        wanted = self._keys(0, hashes, start_hb, end_hb)
+        parent = (0, hashes[start_hb * k - 1]) if start_hb > 0 else None
+        got = self.pool.allocate_for_store(wanted, parent) if wanted else []
+        fetched: list[BlockKey] = []
+        host_blocks: list[int] = []
+        for key, (got_key, host_id) in zip(wanted, got, strict=False):
+            if key != got_key:
+                break
+            fetched.append(key)
+            host_blocks.append(host_id)
+        beyond = [key for key, _ in got[len(fetched) :]]
+        if beyond:
+            self.pool.complete_store(beyond, False)
+        return fetched, host_blocks
 
     # ---- shared with the store planning ----
 

@@ -42,14 +42,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from vllm_cpu_offload.block_transfer import BlockTransfer
 from vllm_cpu_offload.worker.copiers.base import (
     BlockCopier,
-    HostWork,
     finish_on_host,
     ids_on_host,
     loads_whole_blocks,
@@ -61,74 +59,16 @@ from vllm_cpu_offload.worker.copiers.select import (
 )
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
+from vllm_cpu_offload.worker.transfer_jobs import (
+    Batch,
+    FinishedJobs,
+    Pending,
+    StreamThenHost,
+)
 
 logger = logging.getLogger(__name__)
 
 Ids = Sequence[int] | torch.Tensor
-
-
-@dataclass
-class FinishedJobs:
-    """Jobs that completed (or failed) since the last poll. A job is in exactly one
-    of `stores`, `loads` and `failed`.
-
-    `broken` are jobs known to fail whose copies already queued still run: the
-    blocks they load must not be trusted (this step's compute reads them), and their
-    host and device blocks must not be reused before the job shows in `failed`.
-    """
-
-    stores: set[int] = field(default_factory=set)
-    loads: set[int] = field(default_factory=set)
-    failed: set[int] = field(default_factory=set)
-    broken: set[int] = field(default_factory=set)
-
-    def __bool__(self) -> bool:
-        return bool(self.stores or self.loads or self.failed or self.broken)
-
-
-@dataclass
-class _Batch:
-    """The valid jobs of one call joined into one id list, on the host (pinned on CUDA)
-    and, once a kernel needs them, on the device; one copier call serves them all."""
-
-    job_ids: list[int]
-    sizes: list[int]  # blocks of each job, in order
-    device_ids: torch.Tensor  # on the host
-    host_ids: torch.Tensor  # on the host
-    on_device: tuple[torch.Tensor, torch.Tensor] | None = None
-    layers_done: set[str] = field(default_factory=set)
-    layer_calls: Counter[str] = field(default_factory=Counter)  # store hooks per tensor
-    failed: bool = False
-    # What the copier finishes on the host after the stream (`HostWork`).
-    host_work: list[HostWork] = field(default_factory=list)
-
-
-class _StreamThenHost:
-    """Done when a stream's event has fired and the host work queued behind it is
-    done: the completion of a batch with `HostWork`."""
-
-    def __init__(self, event: torch.cuda.Event, work: list[HostWork]) -> None:
-        self._event = event
-        self._work = work
-
-    def query(self) -> bool:
-        return self._event.query() and all(w.query() for w in self._work)
-
-    def synchronize(self) -> None:
-        self._event.synchronize()
-        for w in self._work:
-            w.synchronize()
-
-
-@dataclass
-class _Pending:
-    """Jobs whose copies are queued; done when `event` has fired."""
-
-    event: torch.cuda.Event | _StreamThenHost
-    job_ids: list[int]
-    is_store: bool
-    keep_alive: list[_Batch]
-    failed: bool = False  # a launch of the batch raised: the jobs fail once done
 
 
 class TransferEngine:
@@ -199,11 +139,11 @@ class TransferEngine:
         self._failed: set[int] = set()
         self._broken: set[int] = set()
         self._finished = FinishedJobs()
-        self._pending: list[_Pending] = []
+        self._pending: list[Pending] = []
         # This step's state.
-        self._loads: list[_Batch] = []
+        self._loads: list[Batch] = []
         self._load_waited: set[str] = set()
-        self._stores: dict[tuple[int, ...], _Batch] = {}
+        self._stores: dict[tuple[int, ...], Batch] = {}
         if self.use_streams:
             self._load_stream = torch.cuda.Stream(self.device, priority=-1)
             self._store_stream = torch.cuda.Stream(self.device)
@@ -321,7 +261,7 @@ class TransferEngine:
     def poll_finished(self) -> FinishedJobs:
         """Jobs finished or failed since the last poll. Non-blocking
         (`event.query()`)."""
-        still: list[_Pending] = []
+        still: list[Pending] = []
         for p in self._pending:
             try:
                 done = p.event.query()
@@ -378,7 +318,7 @@ class TransferEngine:
 
     # ---- internals ----
 
-    def _load_batch(self, jobs: Sequence[BlockTransfer]) -> _Batch | None:
+    def _load_batch(self, jobs: Sequence[BlockTransfer]) -> Batch | None:
         """The loads' batch for a stream; None when nothing is left to queue: no valid
         job, or the CPU platform, which copies them here."""
         batch = self._batch(jobs)
@@ -391,7 +331,7 @@ class TransferEngine:
     def _copier_for(self, to_host: bool) -> BlockCopier:
         return self.copiers.stores if to_host else self.copiers.loads
 
-    def _store_batch(self, jobs: Sequence[BlockTransfer]) -> _Batch | None:
+    def _store_batch(self, jobs: Sequence[BlockTransfer]) -> Batch | None:
         if not jobs:
             return None
         key = tuple(j.job_id for j in jobs)
@@ -402,7 +342,7 @@ class TransferEngine:
             self._stores[key] = batch
         return self._stores[key]
 
-    def _batch(self, jobs: Sequence[BlockTransfer]) -> _Batch | None:
+    def _batch(self, jobs: Sequence[BlockTransfer]) -> Batch | None:
         """Validates the jobs (bad ones fail) and joins the valid ones' ids.
         O(blocks)."""
         job_ids: list[int] = []
@@ -425,7 +365,7 @@ class TransferEngine:
         sizes = [t.numel() for t in device]
         if self.use_streams:
             ids = ids.pin_memory()  # the source of a non-blocking copy to the device
-        return _Batch(job_ids, sizes, ids[0], ids[1])
+        return Batch(job_ids, sizes, ids[0], ids[1])
 
     def _check(self, d: torch.Tensor, h: torch.Tensor) -> str | None:
         if d.numel() != h.numel():
@@ -439,7 +379,7 @@ class TransferEngine:
         return None
 
     def _ids(
-        self, copier: BlockCopier, batch: _Batch
+        self, copier: BlockCopier, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's ids where `copier` reads them; moved on the current (side) stream
         once."""
@@ -453,7 +393,7 @@ class TransferEngine:
         return batch.on_device
 
     def _launch(
-        self, copier: BlockCopier, to_host: bool, batch: _Batch, names: list[str] | None
+        self, copier: BlockCopier, to_host: bool, batch: Batch, names: list[str] | None
     ) -> bool:
         """Copies these layers (None: all) on the current stream; a raise fails the
         batch."""
@@ -472,7 +412,7 @@ class TransferEngine:
             self._broken.update(batch.job_ids)
             return False
 
-    def _run_sync(self, to_host: bool, batch: _Batch) -> None:
+    def _run_sync(self, to_host: bool, batch: Batch) -> None:
         """CPU: all layers at once; if that raises, job by job so only the bad ones
         fail."""
         try:
@@ -501,14 +441,14 @@ class TransferEngine:
         batch.job_ids = ok
 
     def _track(
-        self, stream: torch.cuda.Stream, batch: _Batch, *, is_store: bool
+        self, stream: torch.cuda.Stream, batch: Batch, *, is_store: bool
     ) -> None:
         """The batch's jobs end when what `stream` queued so far has run, a failed
         batch's too: a launch that raised at one layer leaves the layers before it
         queued, still reading or writing the jobs' blocks."""
         event = torch.cuda.Event()
         event.record(stream)
-        done = _StreamThenHost(event, batch.host_work) if batch.host_work else event
+        done = StreamThenHost(event, batch.host_work) if batch.host_work else event
         self._pending.append(
-            _Pending(done, batch.job_ids, is_store, [batch], failed=batch.failed)
+            Pending(done, batch.job_ids, is_store, [batch], failed=batch.failed)
         )
