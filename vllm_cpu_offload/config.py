@@ -156,41 +156,11 @@ class OffloadConfig:
                 f"{', '.join(COPY_BACKENDS)}"
             )
         size = extra.get("offload_block_size")
-        if size is not None and (
-            isinstance(size, bool) or not isinstance(size, int) or size < 1
-        ):
-            raise OffloadConfigError(
-                "offload_block_size must be a positive number of tokens, a multiple "
-                f"of the block size (e.g. 64), got {size!r}"
-            )
         path = extra.get("swap_space_path")
         url = extra.get("remote_url")
-        if url is not None and (not isinstance(url, str) or not url.strip()):
-            raise OffloadConfigError(
-                "remote_url must be a store URL (e.g. mooncake://10.0.0.5:50051), "
-                f"got {url!r}"
-            )
         timeout = extra.get("remote_timeout_s", DEFAULT_REMOTE_TIMEOUT_S)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise OffloadConfigError(
-                "remote_timeout_s must be a positive number of seconds (e.g. 2), got "
-                f"{timeout!r}"
-            )
         threshold = extra.get("async_load_tokens", DEFAULT_ASYNC_LOAD_TOKENS)
-        if (
-            isinstance(threshold, bool)
-            or not isinstance(threshold, int)
-            or threshold < 0
-        ):
-            raise OffloadConfigError(
-                "async_load_tokens must be a number of tokens (e.g. 8192), or 0 to "
-                f"load every host hit inside its step, got {threshold!r}"
-            )
+        _check_numbers(size, url, timeout, threshold)
         return cls(
             swap_space_gib=swap,
             eviction_policy=policy,
@@ -200,6 +170,40 @@ class OffloadConfig:
             remote_url=url,
             remote_timeout_s=float(timeout),
             async_load_tokens=threshold,
+        )
+
+
+def _check_numbers(
+    size: object, url: object, timeout: object, threshold: object
+) -> None:
+    """`offload_block_size`, `remote_url`, `remote_timeout_s` and `async_load_tokens`
+    of the extra config, each refused with the fix when it is not what it must be."""
+    if size is not None and (
+        isinstance(size, bool) or not isinstance(size, int) or size < 1
+    ):
+        raise OffloadConfigError(
+            "offload_block_size must be a positive number of tokens, a multiple "
+            f"of the block size (e.g. 64), got {size!r}"
+        )
+    if url is not None and (not isinstance(url, str) or not url.strip()):
+        raise OffloadConfigError(
+            "remote_url must be a store URL (e.g. mooncake://10.0.0.5:50051), "
+            f"got {url!r}"
+        )
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise OffloadConfigError(
+            "remote_timeout_s must be a positive number of seconds (e.g. 2), got "
+            f"{timeout!r}"
+        )
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise OffloadConfigError(
+            "async_load_tokens must be a number of tokens (e.g. 8192), or 0 to "
+            f"load every host hit inside its step, got {threshold!r}"
         )
 
 

@@ -338,8 +338,14 @@ def apply() -> None:
 
     for cls in (EngineArgs, AsyncEngineArgs):
         cls.__init__ = _wrap_init(cls.__init__)  # type: ignore[method-assign]
+    _patch_command_line(EngineArgs)
+    _patch_create_engine_config(EngineArgs)
+    setattr(EngineArgs, _PATCHED_MARK, True)
 
-    original_add = EngineArgs.add_cli_args
+
+def _patch_command_line(engine_args_cls: Any) -> None:
+    """The flags in vLLM's parser, and their values checked as they are parsed."""
+    original_add = engine_args_cls.add_cli_args
 
     def add_cli_args(parser: Any) -> Any:
         parser = original_add(parser)
@@ -347,9 +353,9 @@ def apply() -> None:
             _add_flags(parser)
         return parser
 
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
+    engine_args_cls.add_cli_args = staticmethod(add_cli_args)
 
-    original_from_cli = EngineArgs.from_cli_args.__func__  # type: ignore[attr-defined]
+    original_from_cli = engine_args_cls.from_cli_args.__func__
 
     def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
         engine_args = original_from_cli(cls, args)
@@ -368,9 +374,13 @@ def apply() -> None:
             raise SystemExit(2) from None
         return engine_args
 
-    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
+    engine_args_cls.from_cli_args = classmethod(from_cli_args)
 
-    original_create = EngineArgs.create_engine_config
+
+def _patch_create_engine_config(engine_args_cls: Any) -> None:
+    """The connector's config from the flags, and the engine checked once vLLM's
+    config exists."""
+    original_create = engine_args_cls.create_engine_config
 
     @functools.wraps(original_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -391,8 +401,7 @@ def apply() -> None:
                 raise SystemExit(2) from None
         return vllm_config
 
-    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
-    setattr(EngineArgs, _PATCHED_MARK, True)
+    engine_args_cls.create_engine_config = create_engine_config
 
 
 def _wrap_init(original: Any) -> Any:
