@@ -18,10 +18,9 @@ URL: `py://tests.simulation.mooncake_client:SimMooncakeStore?world=W`.
 from __future__ import annotations
 
 import random
-import threading
 from typing import Any
 
-from tests.simulation.store import BACKENDS, PendingCall, SimBackend, overlap
+from tests.simulation.store import BACKENDS, SimBackend, overlap
 from vllm_cpu_offload.remote.mooncake_store import MooncakeRemoteStore
 from vllm_cpu_offload.remote.store import RemoteStoreError, Span
 from vllm_cpu_offload.remote.url import RemoteUrl
@@ -128,20 +127,9 @@ class SimMooncakeClient:
             result: list[int] = run()
             return result
         due = self.backend.tick + self._rng.randint(1, 4)
-        release = threading.Event()
         spans = [s for v in values for s in v]
-        pending = PendingCall(self, spans, due, release=release)
-        self.backend._add(pending)
-        self.blocked = True
-        try:
-            release.wait()
-        finally:
-            self.blocked = False
-        try:
-            result = run()
-            return result
-        finally:
-            self.backend._forget(pending)
+        held: list[int] = self.backend.held_call(self, spans, due, run)
+        return held
 
     def _alive(self, what: str) -> None:
         if self.closed:

@@ -159,6 +159,24 @@ class SimBackend:
             self._ticked.notify_all()
         self.advance(self.tick + 1, everything=True)
 
+    def held_call(
+        self, client: Any, spans: list[Span], due: int, run: Callable[[], Any]
+    ) -> Any:
+        """Holds the caller's thread (`client.blocked` meanwhile) until `advance`
+        releases it at tick `due` or later, then runs the call."""
+        release = threading.Event()
+        pending = PendingCall(client, spans, due, release=release)
+        self._add(pending)
+        client.blocked = True
+        try:
+            release.wait()
+        finally:
+            client.blocked = False
+        try:
+            return run()
+        finally:
+            self._forget(pending)
+
     def num_pending(self) -> int:
         with self._lock:
             return len(self._pending)
@@ -248,18 +266,7 @@ class SimStore(RemoteStore):
             future: Future[Any] = Future()
             self.backend._add(PendingCall(self, spans, due, run=run, future=future))
             raise RemoteCallTimeout(f"{self.name}: {what} timed out (injected)", future)
-        release = threading.Event()
-        pending = PendingCall(self, spans, due, release=release)
-        self.backend._add(pending)
-        self.blocked = True
-        try:
-            release.wait()
-        finally:
-            self.blocked = False
-        try:
-            return run()
-        finally:
-            self.backend._forget(pending)
+        return self.backend.held_call(self, spans, due, run)
 
     # ---- the data ----
 
