@@ -67,7 +67,6 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.spec = OffloadSpec(vllm_config, kv_cache_config)
         self.num_host_blocks = self.spec.num_host_blocks
-        self._publish_events = self.spec.publish_events
         self._stats_reporter = SchedulerStatsReporter()
         self.scheduler: HostTierScheduler | None = None
         self.worker: HostTierWorker | None = None
@@ -227,7 +226,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self) -> Iterable[KVCacheEvent]:
         sched = self._sched()
         events = sched.take_pool_events()  # counts evictions, events on or off
-        if not self._publish_events:
+        if not self.spec.publish_events:
             return ()
         block_size = sched.block_size * sched.blocks_per_host_block
         return [

@@ -30,6 +30,7 @@ from unittest import mock
 import torch
 
 from tests.simulation.late_copies import CopyFaults, LateCopies
+from tests.simulation.mooncake_client import SimMooncakeStore
 from tests.simulation.oracle import Oracle
 from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 
@@ -541,7 +542,7 @@ class World:
                     raise Violation(
                         f"step {self.step_no}: a store thread never settled"
                     )
-            if hasattr(store, "check_registrations"):
+            if isinstance(store, SimMooncakeStore):
                 problem = store.check_registrations(io.registered_spans())
                 if problem is not None:
                     self._violation(problem)
@@ -648,8 +649,6 @@ class World:
 
 def _settled(io: Any, store: Any) -> bool:
     """Whether a worker's store traffic waits for nothing but a later tick."""
-    from tests.simulation.mooncake_client import SimMooncakeStore
-
     if isinstance(store, SimMooncakeStore):
         # Its worker waits out a held call's timeout, then the adapter's thread
         # holds it or is idle.

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from vllm_cpu_offload.block_transfer import RemoteBlocks
+from vllm_cpu_offload.block_transfer import BlockTransfer, RemoteBlocks
 from vllm_cpu_offload.metadata import and_of
 from vllm_cpu_offload.remote.namespace import block_key
 from vllm_cpu_offload.scheduler.block_pool import BlockKey
@@ -82,7 +82,7 @@ class NoSharedTier:
         self.pool.complete_store(fetched, False)
 
     def write_through(
-        self, job_id: int, keys: list[BlockKey], host_blocks: list[int]
+        self, store: BlockTransfer, keys: list[BlockKey]
     ) -> list[RemoteBlocks]:
         return []
 
@@ -118,7 +118,8 @@ class SharedTier(NoSharedTier):
         *,
         num_workers: int,
         stats: TierStats,
-        tokens_per_key: int,
+        blocks_per_host_block: int,
+        block_size: int,
         record_events: bool,
     ) -> None:
         super().__init__(pool)
@@ -126,7 +127,8 @@ class SharedTier(NoSharedTier):
         self.namespace = namespace
         self.num_workers = num_workers
         self.stats = stats
-        self.tokens_per_key = tokens_per_key
+        self.blocks_per_host_block = blocks_per_host_block
+        self.tokens_per_key = blocks_per_host_block * block_size
         self.record_events = record_events
         # async job -> for each fetched block, whether it arrived on every worker so
         # far, and how many workers reported
@@ -218,12 +220,15 @@ class SharedTier(NoSharedTier):
     # ---- write-through ----
 
     def write_through(
-        self, job_id: int, keys: list[BlockKey], host_blocks: list[int]
+        self, store: BlockTransfer, keys: list[BlockKey]
     ) -> list[RemoteBlocks]:
-        """What every worker writes to the store once its copy of store `job_id` is
-        done."""
-        self._writes_planned.add(job_id)
-        return [RemoteBlocks(job_id, [self.remote_key(k) for k in keys], host_blocks)]
+        """What every worker writes to the store once its copy of `store` (of host
+        blocks `keys`) is done."""
+        self._writes_planned.add(store.job_id)
+        k = self.blocks_per_host_block
+        host_blocks = [slot // k for slot in store.host_block_ids[::k]]
+        remote_keys = [self.remote_key(key) for key in keys]
+        return [RemoteBlocks(store.job_id, remote_keys, host_blocks)]
 
     def store_completed(
         self,
@@ -292,7 +297,8 @@ def shared_tier_of(
     *,
     num_workers: int,
     stats: TierStats,
-    tokens_per_key: int,
+    blocks_per_host_block: int,
+    block_size: int,
     record_events: bool,
 ) -> NoSharedTier:
     """The scheduler's view of the store `lookup` asks (none: `NoSharedTier`)."""
@@ -304,6 +310,7 @@ def shared_tier_of(
         namespace,
         num_workers=num_workers,
         stats=stats,
-        tokens_per_key=tokens_per_key,
+        blocks_per_host_block=blocks_per_host_block,
+        block_size=block_size,
         record_events=record_events,
     )

@@ -6,10 +6,10 @@ medium the host blocks live on (`HostTierManager`: the `HostBlockPool`), and to 
 shared store beside it (`shared_tier.py`). Everything is keyed by vLLM's own block
 hashes (`request.block_hashes`, with the KV cache group id), so `cache_salt` isolation
 and LoRA keys hold for free. With vLLM's hybrid KV cache manager there is one key per
-(group, block): a lookup returns the
-longest hit that every group can serve (`kv_groups.longest_hit`), a load fills the
-device blocks each group allocated (a sliding-window group only those of its window),
-and a store copies each group's device blocks that vLLM has not already released.
+(group, block): a lookup returns the longest hit that every group can serve
+(`kv_groups.longest_hit`), a load fills the device blocks each group allocated (a
+sliding-window group only those of its window), and a store copies each group's device
+blocks that vLLM has not already released.
 
 Invariants (tests in tests/unit/test_tier_scheduler.py and tests/e2e):
 - A host block being loaded is pinned from the step that plans the load until every
@@ -115,7 +115,8 @@ class HostTierScheduler(LoadPlanning):
             namespace,
             num_workers=num_workers,
             stats=self.stats,
-            tokens_per_key=blocks_per_host_block * block_size,
+            blocks_per_host_block=blocks_per_host_block,
+            block_size=block_size,
             record_events=record_stored_blocks,
         )
         self.namespace = namespace
@@ -168,12 +169,8 @@ class HostTierScheduler(LoadPlanning):
                 store = self._plan_store(state, num_tokens)
                 if store is not None:
                     meta.stores.append(store)
-                    k = self.blocks_per_host_block
-                    meta.writes += self.shared.write_through(
-                        store.job_id,
-                        self._jobs[store.job_id].keys,
-                        [slot // k for slot in store.host_block_ids[::k]],
-                    )
+                    keys = self._jobs[store.job_id].keys
+                    meta.writes += self.shared.write_through(store, keys)
         return meta
 
     def _plan_store(
