@@ -79,6 +79,8 @@ FLAGS_PATCH_ONLY = {
     "check_vllm_version",
     "applied",
     "apply",
+    "_patch_command_line",
+    "_patch_create_engine_config",
     "_wrap_init",
 }
 FLAGS_RENAMES = {
@@ -212,6 +214,14 @@ def in_tree_flags() -> str:
     source = "\n\n".join(part.strip("\n") + "\n" for part in keep)
     for old, new in FLAGS_RENAMES.items():
         source = re.sub(rf"\b{old}\b", new, source)
+    # What is kept must not reach what was dropped: a patch helper split out of
+    # `apply` belongs in FLAGS_PATCH_ONLY with it.
+    used = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    dangling = used & FLAGS_PATCH_ONLY
+    assert not dangling, (
+        f"in-tree flags.py uses {sorted(dangling)}, which it drops: add the code that "
+        "uses them to FLAGS_PATCH_ONLY"
+    )
     docstring = (TEMPLATES / "flags_docstring.txt").read_text()
     return rewrite(f'"""{docstring.strip()}\n"""\n\n{source}')
 
