@@ -12,7 +12,8 @@ it. Those depend on:
   cache layout, which fixes the byte order inside a block (`LBNHC` is vLLM's NHD,
   `LBHNC` its HND: the same block size, other bytes);
 - the blocks: block size, host block size, KV cache groups;
-- each rank's share: tensor, pipeline and context parallel sizes;
+- each rank's share: tensor, pipeline and context parallel sizes (the tensor-parallel
+  size not for MLA, whose KV every rank holds whole);
 - the keys: the prefix-caching hash and a digest of its seed; the vLLM release.
 `max_model_len` and the scheduler's settings change no byte and stay out. With
 `VLLM_ATTENTION_BACKEND` gone in vLLM 0.32, a backend chosen automatically is the
@@ -72,7 +73,12 @@ def kv_identity(
         "block_size": int(cache.block_size),
         "blocks_per_host_block": blocks_per_host_block,
         "kv_cache_groups": [repr(g) for g in groups],
-        "tensor_parallel_size": int(parallel.tensor_parallel_size),
+        # Replicated KV (MLA) is the same at any TP size: engines of every size share.
+        "tensor_parallel_size": (
+            "any"
+            if kv_is_replicated(vllm_config)
+            else int(parallel.tensor_parallel_size)
+        ),
         "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
         "context_parallel_sizes": [
             int(parallel.prefill_context_parallel_size),
@@ -81,6 +87,12 @@ def kv_identity(
         "hash_algo": str(cache.prefix_caching_hash_algo),
         "hash_seed": _seed_digest(),
     }
+
+
+def kv_is_replicated(vllm_config: Any) -> bool:
+    """Whether every tensor-parallel rank caches the same KV bytes: MLA's latent KV,
+    made by replicated projections (`replicated_kv.py`)."""
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
 
 
 def unshared_notice(vllm_config: Any, *, persisted: bool, shared: bool) -> str | None:

@@ -18,10 +18,11 @@ from vllm.logger import init_logger
 
 from vllm_cpu_offload.config import OffloadConfig
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
-from vllm_cpu_offload.kv_identity import unshared_notice
+from vllm_cpu_offload.kv_identity import kv_is_replicated, unshared_notice
 from vllm_cpu_offload.persist.block_index import BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.persist.fingerprint import (
+    this_ranks,
     this_worker_name,
     tier_fingerprint,
     worker_names,
@@ -29,11 +30,17 @@ from vllm_cpu_offload.persist.fingerprint import (
 from vllm_cpu_offload.remote.namespace import namespace_of
 from vllm_cpu_offload.remote.registry import open_store
 from vllm_cpu_offload.remote.store import wait_until_answering
+from vllm_cpu_offload.replicated_kv import shard_names, this_shard_name
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
 from vllm_cpu_offload.scheduler.policies import make_policy
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
+from vllm_cpu_offload.worker.shared_region import (
+    SharedRegion,
+    region_path,
+    tensor_parallel_agreement,
+)
 from vllm_cpu_offload.worker.tier_worker import HostTierWorker, RemoteSettings
 
 if TYPE_CHECKING:
@@ -112,6 +119,14 @@ class OffloadSpec:
         if namespace is None:  # nothing identifies the weights: nothing to share under
             self.remote_url, namespace = None, ""
         self.namespace = namespace
+        # MLA: every tensor-parallel rank holds the same KV, stored once per engine
+        # (replicated_kv.py). The persistent tier keeps a file per rank.
+        self.kv_replicated = kv_is_replicated(vllm_config)
+        self.shares_host_region = (
+            self.kv_replicated
+            and vllm_config.parallel_config.tensor_parallel_size > 1
+            and self.config.swap_space_path is None
+        )
         # What the scheduler half lives on, closed by `close`.
         self._index: BlockIndex | None = None
         self._lookup: RemoteLookup | None = None
@@ -127,6 +142,15 @@ class OffloadSpec:
         )
         if notice is not None:
             logger.warning(notice)
+        logger.info(
+            "CPU offload host tier: %d blocks of %d tokens, %.2f GiB %s",
+            self.num_host_blocks,
+            self.block_size * self.blocks_per_host_block,
+            self.num_host_blocks * self.blocks_per_host_block * self.block_bytes / GIB,
+            "per engine, one copy for every rank (MLA: every rank holds the same KV)"
+            if self.shares_host_region
+            else "per worker",
+        )
         if len(self.kv_groups) > 1:
             logger.info(
                 "CPU offload serves KV cache groups: %s", describe(self.kv_groups)
@@ -148,6 +172,7 @@ class OffloadSpec:
     def build_worker(self) -> HostTierWorker:
         """This worker's half: its host slots, data file and store client."""
         path, url = self.config.swap_space_path, self.remote_url
+        tp_rank, pp_rank = this_ranks()
         return HostTierWorker(
             self.num_host_blocks * self.blocks_per_host_block,
             self.num_device_blocks,
@@ -162,8 +187,9 @@ class OffloadSpec:
                 RemoteSettings(
                     lambda: open_store(url, role="worker"),
                     self.namespace,
-                    this_worker_name(),
+                    this_shard_name(self.vllm_config),
                     self.config.remote_timeout_s,
+                    writes_through=not self.kv_replicated or tp_rank == 0,
                 )
                 if url is not None
                 else None
@@ -171,6 +197,15 @@ class OffloadSpec:
             # A sliding-window group releases blocks while its request runs: a store
             # still reading one must end before the next step's compute may reuse it.
             fence_stores=not all(g.is_full for g in self.kv_groups),
+            shared_region=(
+                SharedRegion(
+                    region_path(self.vllm_config, pp_rank),
+                    tensor_parallel_agreement(),
+                    leader=tp_rank == 0,
+                )
+                if self.shares_host_region
+                else None
+            ),
         )
 
     def close(self) -> None:
@@ -209,9 +244,7 @@ class OffloadSpec:
         if url is None:
             return None
         store = open_store(url, role="scheduler")
-        lookup = RemoteLookup(
-            store, worker_names(self.vllm_config), timeout_s=timeout_s
-        )
+        lookup = RemoteLookup(store, shard_names(self.vllm_config), timeout_s=timeout_s)
         self._lookup = lookup
         answering = wait_until_answering(store, timeout_s)
         logger.info(

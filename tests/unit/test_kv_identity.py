@@ -127,6 +127,19 @@ def test_each_change_of_the_kv_bytes_changes_namespace_and_fingerprint(
     assert fingerprint(changed) != fingerprint(base)
 
 
+def test_the_tp_size_names_sharded_kv_but_not_replicated_kv(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tp1, tp2 = vllm_config(tiny_model), vllm_config(tiny_model)
+    tp2.parallel_config.tensor_parallel_size = 2
+    # Each rank holds a slice of the KV heads: other bytes per rank.
+    assert namespace(tp1) != namespace(tp2)
+    # MLA: every rank holds the whole latent KV, the same at any TP size.
+    monkeypatch.setattr(type(tp1.model_config), "use_mla", property(lambda _: True))
+    assert namespace(tp1) == namespace(tp2)
+    assert namespace(tp1) != namespace(vllm_config(tiny_model, dtype="float16"))
+
+
 def test_equal_engines_agree_in_every_process(tiny_model: str) -> None:
     # Two engines built alike, and a worker's pickled copy: one namespace, one
     # fingerprint.

@@ -87,3 +87,62 @@ def test_a_write_through_starts_only_after_a_good_store() -> None:
     assert tier.poll(idle=False).written == {2: [True]}
     assert tier.take_stats() == {"remote_written_blocks": 1}
     assert tier.take_stats() == {}
+
+
+def test_a_rank_past_the_first_writes_no_replicated_block_and_reports_it_written():
+    # MLA: the first rank writes the block's one value; the others' reports must
+    # not hold the store job back, nor say a block was written that was not.
+    thread = _Thread()
+    io = cast(RemoteIO, cast(Any, thread))
+    tier = SharedTierWorker(
+        io, None, blocks_per_host_block=K, idle_fetch_wait_s=0, writes_through=False
+    )
+    tier.plan_writes([RemoteBlocks(1, ["a", "b"], [0, 1]), RemoteBlocks(2, ["c"], [2])])
+    assert tier.copy_ended(1, stored=True).written == {1: [True, True]}
+    assert tier.copy_ended(2, stored=False).written == {2: [False]}
+    assert not thread.writes and tier.num_jobs_in_flight == 0
+
+
+def _whole_hit(unloadable: list[int] | None = None) -> AsyncLoad:
+    # Several KV cache groups: slots 0-1 were in host memory, host blocks 1 and 2
+    # (a full group's block and a window group's, slots 2-5) are fetched.
+    return AsyncLoad(
+        load=BlockTransfer(6, list(range(10, 16)), list(range(6)), req_id="w"),
+        fetch=RemoteBlocks(6, ["a", "b"], [1, 2]),
+        fetched_from=2,
+        unloadable=unloadable or [],
+        whole=True,
+    )
+
+
+def test_a_whole_load_loads_everything_once_every_block_arrived() -> None:
+    tier, thread = _tier()
+    tier.fetch(_whole_hit())
+    thread.results = RemoteResults(fetched={6: [True, True]})
+    (done,) = tier.poll(idle=False).fetched
+    assert list(done.load.device_block_ids) == list(range(10, 16))
+    assert done.unloaded == [] and tier.take_failed_loads() == set()
+
+
+def test_a_whole_load_short_of_one_block_loads_nothing_and_fails_its_request() -> None:
+    # The window group's block did not arrive: no block is loaded and none is an
+    # invalid block (vLLM's hybrid manager takes none); the request is failed whole,
+    # once, and vLLM recomputes it.
+    tier, thread = _tier()
+    tier.fetch(_whole_hit())
+    thread.results = RemoteResults(fetched={6: [True, False]})
+    (done,) = tier.poll(idle=False).fetched
+    assert list(done.load.device_block_ids) == [] and done.unloaded == []
+    assert done.arrived == [True, False] and done.job_id == 6
+    assert tier.take_failed_loads() == {"w"} and tier.take_failed_loads() == set()
+    # A block that got no host block fails it too, every block having arrived.
+    tier.fetch(_whole_hit(unloadable=[40]))
+    thread.results = RemoteResults(fetched={6: [True, True]})
+    (done,) = tier.poll(idle=False).fetched
+    assert list(done.load.device_block_ids) == [] and done.unloaded == []
+    assert tier.take_failed_loads() == {"w"}
+    # Without a store nothing arrives: failed at once.
+    none = NoSharedTierWorker()
+    (done,) = none.fetch(_whole_hit()).fetched
+    assert list(done.load.device_block_ids) == [] and done.unloaded == []
+    assert none.take_failed_loads() == {"w"}

@@ -27,7 +27,7 @@ from vllm_cpu_offload.persist import directory as tier_dir
 from vllm_cpu_offload.persist.tier_file import TierFile
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14+: backs every page of a new file at start.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def data_path(path: str, worker: str) -> Path:
@@ -96,7 +96,7 @@ class TierDataFile:
         if why is not None:
             # An older kernel refuses: pages are then backed on first use instead.
             with contextlib.suppress(OSError, ValueError):
-                mapping.madvise(_MADV_POPULATE_WRITE)
+                mapping.madvise(MADV_POPULATE_WRITE)
         return torch.frombuffer(mapping, dtype=torch.uint8).view(num_slots, slot_bytes)
 
     @staticmethod

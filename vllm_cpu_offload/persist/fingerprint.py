@@ -69,6 +69,12 @@ def rank_name(tp_rank: int, pp_rank: int) -> str:
 
 def this_worker_name() -> str:
     """The calling worker's name (its tensor and pipeline parallel ranks)."""
+    return rank_name(*this_ranks())
+
+
+def this_ranks() -> tuple[int, int]:
+    """The calling worker's (tensor, pipeline) parallel ranks; (0, 0) for a worker
+    outside vLLM's process groups, which is alone."""
     from vllm.distributed.parallel_state import (
         get_pp_group,
         get_tensor_model_parallel_rank,
@@ -76,8 +82,8 @@ def this_worker_name() -> str:
     )
 
     if not model_parallel_is_initialized():
-        return rank_name(0, 0)  # a worker outside vLLM's process groups is alone
-    return rank_name(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
+        return 0, 0
+    return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
 
 
 def differences(old: dict[str, Any], new: dict[str, Any]) -> str:

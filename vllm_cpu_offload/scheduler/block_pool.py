@@ -231,13 +231,7 @@ class HostBlockPool:
                         inserted = []
                     if shielded is None:
                         shielded = self._shield(prev, keys)
-                    if not policy.admit(key):
-                        # The first `key` in `keys`: an earlier copy would be held now.
-                        for later in keys[keys.index(key) + 1 :]:
-                            if later not in held:
-                                policy.on_declined(later)
-                        break
-                    if not self._evict_one(evicted):
+                    if not self._room_for(key, keys, evicted):
                         break
                 block = pop()
                 # Attach: a STORING block, invisible to lookups, under `prev`.
@@ -245,14 +239,8 @@ class HostBlockPool:
                 block.state = storing
                 if gap_above:  # a free block is never an orphan: `_release` clears it
                     block.orphan = True
-                block.parent = prev
                 if prev is not None:
-                    sibling = prev.first_child
-                    if sibling is not None:
-                        block.next_sibling = sibling
-                        sibling.prev_sibling = block
-                    prev.first_child = block
-                    prev.num_children += 1
+                    self._attach_child(prev, block)
                 held[key] = block
                 inserted.append(block)
                 add((key, block.block_id))
@@ -338,12 +326,7 @@ class HostBlockPool:
             block.key = key
             block.orphan = parent_key is not None and parent is None
             if parent is not None:
-                block.parent = parent
-                block.next_sibling = parent.first_child
-                if parent.first_child is not None:
-                    parent.first_child.prev_sibling = block
-                parent.first_child = block
-                parent.num_children += 1
+                self._attach_child(parent, block)
             self._by_key[key] = block
             # One at a time, oldest first: the policy's recency follows
             # the tier's history.
@@ -438,6 +421,31 @@ class HostBlockPool:
         if block.pin_count == 0:
             self._num_pinned -= 1
             self.policy.on_unpin(block)
+
+    def _room_for(
+        self, key: BlockKey, keys: Sequence[BlockKey], evicted: list[BlockKey]
+    ) -> bool:
+        """Frees a block for `key` if the policy admits it; a declined key declines
+        the rest of its chain, which the pool does not hold."""
+        if not self.policy.admit(key):
+            # The first `key` in `keys`: an earlier copy would be held now.
+            held = self._by_key
+            for later in keys[keys.index(key) + 1 :]:
+                if later not in held:
+                    self.policy.on_declined(later)
+            return False
+        return self._evict_one(evicted)
+
+    @staticmethod
+    def _attach_child(parent: HostBlock, block: HostBlock) -> None:
+        """Links `block` as `parent`'s newest child."""
+        block.parent = parent
+        sibling = parent.first_child
+        if sibling is not None:
+            block.next_sibling = sibling
+            sibling.prev_sibling = block
+        parent.first_child = block
+        parent.num_children += 1
 
     def _evict_one(self, evicted: list[BlockKey]) -> bool:
         """Frees the policy's next victim; False if it has none."""

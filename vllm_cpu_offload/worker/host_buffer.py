@@ -19,7 +19,9 @@ allocator rounds every request up to a power of two, so a 40 GiB `--swap-space` 
 lock 64 GiB. With `--swap-space-path` the same layout lives in a shared mapping of a
 file that outlives the process (`data_file=`, persist/data_file.py), pinned where the
 kernel allows it (tmpfs, not a disk file system: there the tier runs unpinned, reached
-through a pinned bounce buffer, `copiers/bounce.py`). The
+through a pinned bounce buffer, `copiers/bounce.py`). KV that every tensor-parallel
+rank holds alike (MLA) lives in one region all ranks map (`shared_region=`,
+worker/shared_region.py). The
 same layout can live in device memory (`device=`): a few blocks of staging for copies
 that move whole blocks over PCIe (`copiers/staged.py`). Of third-party modules it
 imports torch only.
@@ -37,6 +39,7 @@ import torch
 from vllm_cpu_offload.errors import GIB
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
+from vllm_cpu_offload.worker.shared_region import SharedRegion
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class HostBuffer:
         slot_offsets: layer name -> byte offset of its layer slot inside every slot.
         block_bytes: bytes of one slot (all layers).
         pinned: whether the memory is page-locked.
+        shared: whether every tensor-parallel rank maps this memory (`shared_region`:
+            replicated KV, stored once).
 
     """
 
@@ -76,6 +81,7 @@ class HostBuffer:
         pin: bool | None = None,
         device: torch.device | None = None,
         data_file: TierDataFile | None = None,
+        shared_region: SharedRegion | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -93,8 +99,16 @@ class HostBuffer:
         self.pinned = not on_device and (
             torch.cuda.is_available() if pin is None else pin
         )
+        mapped = (
+            shared_region.map(num_slots, self.block_bytes)
+            if shared_region is not None
+            else None
+        )
+        self.shared = mapped is not None
         # Staging, not --swap-space: an allocation error speaks for itself.
-        if on_device:
+        if mapped is not None:
+            self.tensor = mapped
+        elif on_device:
             shape = (num_slots, self.block_bytes)
             self.tensor = torch.empty(shape, dtype=torch.uint8, device=device)
         elif data_file is not None:
@@ -119,6 +133,7 @@ class HostBuffer:
         num_blocks: int | None = None,
         pin: bool | None = None,
         data_file: TierDataFile | None = None,
+        shared_region: SharedRegion | None = None,
     ) -> HostBuffer:
         """A buffer with one slot per distinct layer tensor (shared KV caches share a
         slot)."""
@@ -127,7 +142,13 @@ class HostBuffer:
             name: KVLayout.from_tensor(kv_caches[name], num_blocks=num_blocks)
             for name in dict.fromkeys(canonical.values())
         }
-        return cls(layouts, num_slots, pin=pin, data_file=data_file)
+        return cls(
+            layouts,
+            num_slots,
+            pin=pin,
+            data_file=data_file,
+            shared_region=shared_region,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -3,7 +3,10 @@ and write-throughs of stored host blocks.
 
 `SharedTierWorker` hands an async load's fetch to the store's thread (`RemoteIO`) and,
 once it ends, cuts the load to what the host tier holds: its pairs up to the first
-fetched host block that did not arrive (vLLM recomputes from there). It writes a store
+fetched host block that did not arrive (vLLM recomputes from there). A load of several
+KV cache groups (`AsyncLoad.whole`) is not cut: short of any block it loads nothing,
+and its request is reported failed (`take_failed_loads`, vLLM's `failed_recving`), as
+vLLM's hybrid manager takes no load error of single blocks. It writes a store
 job's host blocks through once the job's copy is done here. `NoSharedTierWorker` is the
 same seam without a store: a fetch ends at once with nothing arrived, and no write is
 ever planned (the scheduler's `NoSharedTier` plans none).
@@ -36,6 +39,9 @@ class RemoteSettings:
     namespace: str
     rank: str
     timeout_s: float
+    # False on the ranks past the first where KV is replicated (MLA): the first rank
+    # writes the block's one value.
+    writes_through: bool = True
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,10 @@ def _cut(async_load: AsyncLoad, cut: int, arrived: list[bool]) -> FetchedLoad:
 class NoSharedTierWorker:
     """No store: a fetch ends at once with nothing arrived; nothing is written."""
 
+    def __init__(self) -> None:
+        # Requests whose whole load failed since the last `take_failed_loads`.
+        self._failed_loads: set[str] = set()
+
     @property
     def remote_io(self) -> RemoteIO | None:
         """The store's thread (tests wait for it and read what it registered)."""
@@ -102,8 +112,31 @@ class NoSharedTierWorker:
         """Starts fetching the hit's missing blocks; returns what ended at once."""
         nothing = [False] * len(async_load.fetch.keys)
         return SharedTierDone(
-            fetched=[_cut(async_load, async_load.fetched_from, nothing)]
+            fetched=[self._ended(async_load, async_load.fetched_from, nothing)]
         )
+
+    def take_failed_loads(self) -> set[str]:
+        """The requests whose whole load failed since the last call: vLLM recomputes
+        them (its `failed_recving`); each is also among the finished loads."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
+    def _ended(
+        self, async_load: AsyncLoad, cut: int, arrived: list[bool]
+    ) -> FetchedLoad:
+        """The load cut at pair `cut`; a whole load short of any block loads
+        nothing, and its request is failed."""
+        load = async_load.load
+        if async_load.whole and (
+            cut < len(load.device_block_ids) or len(async_load.unloadable) > 0
+        ):
+            self._failed_loads.add(load.req_id)
+            return FetchedLoad(
+                arrived=arrived,
+                load=BlockTransfer(load.job_id, [], [], req_id=load.req_id),
+                unloaded=[],
+            )
+        return _cut(async_load, cut, arrived)
 
     def place_threads(self, *, idle: bool) -> None:
         """Lends the store's threads the model's cores in an `idle` step that waits
@@ -138,8 +171,11 @@ class SharedTierWorker(NoSharedTierWorker):
         *,
         blocks_per_host_block: int,
         idle_fetch_wait_s: float,
+        writes_through: bool = True,
     ) -> None:
+        super().__init__()
         self._io = io
+        self.writes_through = writes_through
         # None where the model has no cores beside it.
         self._store_threads = store_threads
         self.blocks_per_host_block = blocks_per_host_block
@@ -184,6 +220,9 @@ class SharedTierWorker(NoSharedTierWorker):
         if not stored:
             # Its host blocks hold no good copy: nothing to write.
             return SharedTierDone(written={job_id: [False] * len(write.keys)})
+        if not self.writes_through:
+            # Another rank writes the one value these replicated blocks have.
+            return SharedTierDone(written={job_id: [True] * len(write.keys)})
         # `poll` reports it, even when the queue is full and it is dropped.
         self._io.write(write)
         return SharedTierDone()
@@ -215,7 +254,7 @@ class SharedTierWorker(NoSharedTierWorker):
             and load.host_block_ids[cut] // k in arrived_blocks
         ):
             cut += 1
-        return _cut(async_load, cut, arrived)
+        return self._ended(async_load, cut, arrived)
 
     def take_stats(self) -> dict[str, float]:
         stats: dict[str, float] = {
@@ -261,4 +300,5 @@ def open_shared_tier_worker(
         store_threads,
         blocks_per_host_block=k,
         idle_fetch_wait_s=idle_fetch_wait_s,
+        writes_through=settings.writes_through,
     )

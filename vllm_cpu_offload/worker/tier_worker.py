@@ -23,6 +23,7 @@ from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.copiers.select import Candidate
 from vllm_cpu_offload.worker.fault_injection import FaultInjector
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
+from vllm_cpu_offload.worker.shared_region import SharedRegion
 from vllm_cpu_offload.worker.shared_tier import (
     FetchedLoad,
     NoSharedTierWorker,
@@ -61,6 +62,7 @@ class HostTierWorker:
         remote: RemoteSettings | None = None,
         blocks_per_host_block: int = 1,
         idle_fetch_wait_s: float = IDLE_FETCH_WAIT_S,
+        shared_region: SharedRegion | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.blocks_per_host_block = blocks_per_host_block
@@ -71,6 +73,10 @@ class HostTierWorker:
         # With --swap-space-path the host buffer is this file, mapped;
         # else anonymous memory.
         self.data_file = data_file
+        # Replicated KV (MLA): one host region for every rank of the stage.
+        self.shared_region = shared_region
+        # Whether another rank copies this worker's stores (into the shared region).
+        self._stores_elsewhere = False
         self.engine: TransferEngine | None = None
         self._step_stores: list[BlockTransfer] = []
         self._store_req: dict[int, str] = {}  # store job in flight -> its request
@@ -103,6 +109,11 @@ class HostTierWorker:
             self.num_slots,
             num_blocks=self.num_device_blocks,
             data_file=self.data_file,
+            shared_region=self.shared_region,
+        )
+        region = self.shared_region
+        self._stores_elsewhere = (
+            host.shared and region is not None and not region.leader
         )
         self.engine = TransferEngine(
             kv_caches,
@@ -138,8 +149,14 @@ class HostTierWorker:
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
-        self._step_stores = self._without_injected_faults(metadata.stores)
+        # Before the stores: a store that ends at once ends its write-through too.
         self.shared.plan_writes(metadata.writes)
+        if self._stores_elsewhere:
+            # The stage's first rank copies them into the region every rank maps.
+            self._step_stores = []
+            self._collect(FinishedJobs(stores={t.job_id for t in metadata.stores}))
+        else:
+            self._step_stores = self._without_injected_faults(metadata.stores)
         for async_load in metadata.async_loads:
             self._start_async_load(async_load)
         self.shared.place_threads(idle=metadata.idle)
