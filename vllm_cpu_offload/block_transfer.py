@@ -53,6 +53,10 @@ class AsyncLoad:
             one before it arrived.
         unloadable: device blocks of the hit that got no host block; vLLM recomputes
             them.
+        whole: the hit loads whole or not at all (several KV cache groups: vLLM's
+            hybrid manager takes no load error of single blocks). A fetched block that
+            did not arrive, or any unloadable block, fails the load: nothing is
+            loaded, and vLLM recomputes the request.
 
     """
 
@@ -60,3 +64,4 @@ class AsyncLoad:
     fetch: RemoteBlocks
     fetched_from: int
     unloadable: Sequence[int] = ()
+    whole: bool = False

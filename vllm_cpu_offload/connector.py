@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -131,6 +132,17 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished()
+
+    @override
+    def get_transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> KVConnectorTransferResults:
+        # A load of several KV cache groups that missed a block loaded nothing: its
+        # request is failed whole (vLLM takes no load error of single blocks there)
+        # and recomputed.
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving |= self._work().shared.take_failed_loads()
+        return results
 
     @override
     def get_block_ids_with_load_errors(self) -> set[int]:

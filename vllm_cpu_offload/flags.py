@@ -224,8 +224,10 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
     and a host block size the engine's KV cache cannot take.
 
     Mamba and other state-space layers keep one running state per request instead of KV
-    blocks per token; the host tier holds blocks only. Host blocks of several device
-    blocks need full attention: a window group releases device blocks one at a time.
+    blocks per token; the host tier and the shared store hold blocks only. Full,
+    sliding-window and chunked local attention are served by both tiers. Host blocks
+    of several device blocks need full attention: a window group releases device
+    blocks one at a time.
     """
     model_config = vllm_config.model_config
     k = config.blocks_per_host_block(vllm_config.cache_config.block_size)
@@ -247,12 +249,6 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
         check_stable_block_hashes(hash_algo, "--swap-space-path")
     if config.remote_url is not None:
         check_stable_block_hashes(hash_algo, "--swap-space-remote")
-        if windowed:
-            raise OffloadConfigError(
-                "--swap-space-remote serves models with full attention only, but "
-                f"{model_config.model} has sliding-window or chunked attention "
-                "layers; drop --swap-space-remote"
-            )
     if model_config.is_attention_free or model_config.is_hybrid:
         kind = (
             "attention-free" if model_config.is_attention_free else "hybrid state-space"
@@ -297,8 +293,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
         "--swap-space",
         type=str,
         default=None,
-        help="Host memory for offloaded KV blocks, in GiB per worker. "
-        "Needs --enable-cpu-offload.",
+        help="Host memory for offloaded KV blocks, in GiB per worker (per engine "
+        "for MLA models, whose KV every rank holds alike). Needs --enable-cpu-offload.",
     )
     group.add_argument(
         "--swap-space-path",

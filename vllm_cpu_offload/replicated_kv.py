@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_cpu_offload.kv_identity import kv_is_replicated
-from vllm_cpu_offload.persist.fingerprint import rank_name, this_ranks, worker_names
+from vllm_cpu_offload.persist.fingerprint import rank_name, worker_names
 
 
 def stage_name(pp_rank: int) -> str:
@@ -34,9 +34,8 @@ def shard_names(vllm_config: Any) -> list[str]:
     return [stage_name(pp) for pp in range(stages)]
 
 
-def this_shard_name(vllm_config: Any) -> str:
-    """The calling worker's shard name (see `shard_names`)."""
-    tp_rank, pp_rank = this_ranks()
+def shard_name(vllm_config: Any, tp_rank: int, pp_rank: int) -> str:
+    """The shard name of the worker of these ranks (see `shard_names`)."""
     if kv_is_replicated(vllm_config):
         return stage_name(pp_rank)
     return rank_name(tp_rank, pp_rank)

@@ -22,15 +22,15 @@ from vllm_cpu_offload.kv_identity import kv_is_replicated, unshared_notice
 from vllm_cpu_offload.persist.block_index import BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.persist.fingerprint import (
+    rank_name,
     this_ranks,
-    this_worker_name,
     tier_fingerprint,
     worker_names,
 )
 from vllm_cpu_offload.remote.namespace import namespace_of
 from vllm_cpu_offload.remote.registry import open_store
 from vllm_cpu_offload.remote.store import wait_until_answering
-from vllm_cpu_offload.replicated_kv import shard_names, this_shard_name
+from vllm_cpu_offload.replicated_kv import shard_name, shard_names
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
 from vllm_cpu_offload.scheduler.policies import make_policy
@@ -177,7 +177,7 @@ class OffloadSpec:
             self.num_host_blocks * self.blocks_per_host_block,
             self.num_device_blocks,
             data_file=(
-                TierDataFile(path, this_worker_name(), self.fingerprint)
+                TierDataFile(path, rank_name(tp_rank, pp_rank), self.fingerprint)
                 if path is not None
                 else None
             ),
@@ -187,7 +187,7 @@ class OffloadSpec:
                 RemoteSettings(
                     lambda: open_store(url, role="worker"),
                     self.namespace,
-                    this_shard_name(self.vllm_config),
+                    shard_name(self.vllm_config, tp_rank, pp_rank),
                     self.config.remote_timeout_s,
                     writes_through=not self.kv_replicated or tp_rank == 0,
                 )

@@ -7,7 +7,8 @@ holds the greedy tokens and cached-token counts of every request, and the worker
 OpenMP threads and CPU binding, read inside the worker.
 
     python -m tests.e2e.long_document_run MODEL [--offload [--offload-block-size N]
-        [--swap-space-path DIR]] [--dtype bfloat16] [--reads 2]
+        [--swap-space-path DIR] [--swap-space-remote URL]] [--dtype bfloat16]
+        [--reads 2]
 """
 
 from __future__ import annotations
@@ -45,6 +46,34 @@ def kv_cache_groups(worker: Any) -> list[str]:
     return [type(group.kv_cache_spec).__name__ for group in groups]
 
 
+def host_tier_memory(worker: Any) -> dict[str, Any]:
+    """The worker's host tier: its size, whether every rank maps it, and the file
+    (inode) and resident bytes of its mapping where it is a shared region."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    host = get_kv_transfer_group().worker.engine.host
+    start = host.tensor.data_ptr()
+    mapping = None
+    with open("/proc/self/smaps") as smaps:
+        lines = iter(smaps)
+        for line in lines:
+            fields = line.split()
+            if fields[0].endswith(":"):  # a field of the mapping above
+                continue
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= start < high:
+                mapping = {"inode": int(fields[4])}
+                for field in lines:  # Rss comes before Pss
+                    name, value = field.split()[:2]
+                    if name in ("Rss:", "Pss:"):
+                        mapping[name[:-1].lower() + "_kib"] = int(value)
+                    if name == "Pss:":
+                        break
+                break
+    shared = getattr(host, "shared", False)  # a tier of every rank's own before MLA
+    return {"nbytes": host.nbytes, "shared": shared, "mapping": mapping}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -60,8 +89,18 @@ def main() -> None:
         "--swap-space-path", help="keep the host tier in files in this directory"
     )
     parser.add_argument(
+        "--swap-space-remote", help="a store shared by every engine, behind host memory"
+    )
+    parser.add_argument(
         "--reads", type=int, default=2, help="times each document is read"
     )
+    parser.add_argument(
+        "--mla",
+        action="store_true",
+        help="the model is tiny_mla's: its engine settings and 16-token blocks",
+    )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--swap-space", type=float, default=0.05, help="GiB")
     args = parser.parse_args()
 
     # The flags work as LLM() keyword arguments with no import of the package by the
@@ -72,10 +111,14 @@ def main() -> None:
 
     applied_by_vllm_import = "vllm_cpu_offload.flags" in sys.modules
     flags: dict[str, Any] = (
-        dict(enable_cpu_offload=True, swap_space=0.05) if args.offload else {}
+        dict(enable_cpu_offload=True, swap_space=args.swap_space)
+        if args.offload
+        else {}
     )
     if args.swap_space_path:
         flags["swap_space_path"] = args.swap_space_path
+    if args.swap_space_remote:
+        flags["swap_space_remote"] = args.swap_space_remote
     if args.offload_block_size:
         from vllm.config.kv_transfer import KVTransferConfig
 
@@ -84,12 +127,21 @@ def main() -> None:
             kv_role="kv_both",
             kv_connector_extra_config={"offload_block_size": args.offload_block_size},
         )
+    engine: dict[str, Any] = {"block_size": BLOCK_SIZE}
+    if args.mla:
+        from vllm_cpu_offload.testing.tiny_mla import BLOCK_SIZE as MLA_BLOCK_SIZE
+        from vllm_cpu_offload.testing.tiny_mla import ENGINE_KWARGS
+
+        engine = {**ENGINE_KWARGS, "block_size": MLA_BLOCK_SIZE}
+    if args.tensor_parallel_size > 1:
+        engine["tensor_parallel_size"] = args.tensor_parallel_size
+        engine["distributed_executor_backend"] = "mp"
     llm = LLM(
         args.model,
         enforce_eager=True,
-        block_size=BLOCK_SIZE,
+        **engine,
         num_gpu_blocks_override=args.device_blocks,
-        max_model_len=args.doc_tokens + 2 * BLOCK_SIZE,
+        max_model_len=args.doc_tokens + 2 * int(engine["block_size"]),
         dtype=args.dtype,
         seed=0,
         disable_log_stats=not args.metrics,
@@ -113,8 +165,9 @@ def main() -> None:
                 "cached": out.num_cached_tokens or 0,
             }
         )
-    (threads,) = llm.collective_rpc(worker_threads)
-    (groups,) = llm.collective_rpc(kv_cache_groups)
+    threads, *_ = llm.collective_rpc(worker_threads)
+    groups, *_ = llm.collective_rpc(kv_cache_groups)
+    regions = llm.collective_rpc(host_tier_memory) if args.offload else []
     metrics = {}
     if args.metrics:
         for metric in llm.get_metrics():
@@ -126,6 +179,7 @@ def main() -> None:
         "requests": requests,
         "worker": threads,
         "kv_cache_groups": groups,
+        "host_tier": regions,
         "metrics": metrics,
         "plugin": {"at_start": imported_at_start, "after_vllm": applied_by_vllm_import},
     }

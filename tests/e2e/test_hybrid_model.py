@@ -1,10 +1,12 @@
 """A hybrid sliding-window model (Gemma-2 style) keeps vLLM's hybrid KV cache manager
-on.
+on, in host memory and in the shared store.
 
 The generated model alternates sliding-window layers (a 64-token window) with
 full-attention ones, so vLLM's hybrid manager makes two KV cache groups. With the flags
 it must stay on: the connector serves both groups, a sliding-window group loading only
-the blocks of its window. One request at a time, the engine as users run it, as in
+the blocks of its window. The run with the flags also writes every block it stores
+through to a redis-server; a second engine, with an empty host tier, then reads the same
+documents from there. One request at a time, the engine as users run it, as in
 test_bf16_exact, but in fp32: which blocks each group stores and loads does not depend
 on the dtype, and an AVX2-only CPU runs bf16 about 100x slower.
 """
@@ -35,11 +37,17 @@ def _run(model: str, *flags: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> tuple[dict[str, Any], dict[str, Any]]:
-    model = str(
+def hybrid_model() -> str:
+    return str(
         ensure_tiny_llama(dataclasses.replace(TEST_SHAPE, sliding_window=WINDOW))
     )
-    return _run(model), _run(model, "--offload")
+
+
+@pytest.fixture(scope="module")
+def runs(hybrid_model: str, redis_url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    # With the flags, every stored block is written through to the store too.
+    remote = ("--swap-space-remote", redis_url)
+    return _run(hybrid_model), _run(hybrid_model, "--offload", *remote)
 
 
 def test_hybrid_manager_stays_on_with_the_flags(
@@ -86,3 +94,41 @@ def test_window_group_loads_only_its_window_per_group_metrics(
     window_blocks = WINDOW // BLOCK_SIZE + 1
     assert 0 < loaded[window] <= DOCS * window_blocks < loaded[full], loaded
     assert loaded[full] + loaded[window] == metrics["vllm:cpu_offload_loaded_blocks"]
+
+
+def test_a_second_engine_reads_the_hybrid_documents_from_the_shared_store(
+    hybrid_model: str,
+    redis_url: str,
+    runs: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    # The run with the flags wrote every block of both groups to the store before it
+    # exited. A fresh engine's first read of each document fetches its full blocks
+    # (every full-attention block, the window group's last window) from the store,
+    # its second read hits host memory; the tokens are those of the run without flags.
+    without, _ = runs
+    second = _run(hybrid_model, "--offload", "--swap-space-remote", redis_url)
+    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE  # 9 per document
+    assert [r["tokens"] for r in second["requests"]] == [
+        r["tokens"] for r in without["requests"]
+    ]
+    assert all(r["cached"] >= full_blocks * BLOCK_SIZE for r in second["requests"]), (
+        second["requests"]
+    )
+    metrics = second["metrics"]
+    remote = {
+        name.removeprefix("vllm:cpu_offload_remote_"): value
+        for name, value in metrics.items()
+        if name.startswith("vllm:cpu_offload_remote_")
+    }
+    assert remote["hit_tokens"] == DOCS * full_blocks * BLOCK_SIZE, remote
+    assert remote.get("missed_blocks", 0) == remote.get("rejected_blocks", 0) == 0
+    # The window group loaded (from the store, then from host memory) only the
+    # blocks of its 64-token window: 2 before a 9-block hit's end, at most 3.
+    full = second["kv_cache_groups"].index("FullAttentionSpec")
+    loaded = {
+        g: metrics[f"vllm:cpu_offload_group_loaded_blocks{{{g}}}"] for g in (0, 1)
+    }
+    window_blocks = WINDOW // BLOCK_SIZE + 1
+    assert DOCS * 2 <= loaded[1 - full] <= DOCS * 2 * window_blocks < loaded[full], (
+        loaded
+    )

@@ -160,7 +160,6 @@ class World:
 
         import vllm_cpu_offload.spec as spec_module
         from vllm_cpu_offload.connector import CPUOffloadConnector
-        from vllm_cpu_offload.persist.fingerprint import rank_name
 
         config = self.utils.create_vllm_config(
             model=model,
@@ -195,9 +194,7 @@ class World:
         ranks = []
         for r in range(self.tp):
             self.backend.next_client = f"{name}/tp{r}"
-            with mock.patch.object(
-                spec_module, "this_worker_name", lambda r=r: rank_name(r, 0)
-            ):
+            with mock.patch.object(spec_module, "this_ranks", lambda r=r: (r, 0)):
                 worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
             # vLLM's CPU layout: [blocks, kv heads, block size, 2 * head size].
             kv = {

@@ -284,6 +284,15 @@ def test_state_space_model_is_refused_before_the_engine_starts(
     assert "\n" not in str(info.value) and "drop --enable-cpu-offload" in str(
         info.value
     )
+    # Nor does the shared tier take it.
+    args = EngineArgs(
+        model=state_space_model,
+        enable_cpu_offload=True,
+        swap_space="0.01",
+        swap_space_remote="redis://127.0.0.1:6379",
+    )  # type: ignore[call-arg]
+    with pytest.raises(OffloadConfigError, match="hybrid state-space"):
+        args.create_engine_config()
     # Without the flag nothing is refused: vLLM decides on its own.
     EngineArgs(model=state_space_model).create_engine_config()
 
@@ -357,6 +366,24 @@ def test_offload_block_size_refuses_sliding_window_layers(tiny_model: str) -> No
     )
     with pytest.raises(OffloadConfigError, match="needs full attention"):
         args.create_engine_config()
+
+
+def test_swap_space_remote_serves_sliding_window_models() -> None:
+    # The shared tier takes every model the host tier takes: windowed layers too.
+    import dataclasses
+
+    from vllm_cpu_offload.testing.tiny_model import TEST_SHAPE, ensure_tiny_llama
+
+    model = str(ensure_tiny_llama(dataclasses.replace(TEST_SHAPE, sliding_window=64)))
+    args = EngineArgs(
+        model=model,
+        block_size=32,
+        enable_cpu_offload=True,
+        swap_space="0.01",
+        swap_space_remote="redis://127.0.0.1:6379",
+    )  # type: ignore[call-arg]
+    config = args.create_engine_config().kv_transfer_config
+    assert config.kv_connector_extra_config["remote_url"] == "redis://127.0.0.1:6379"
 
 
 def test_swap_space_remote_reaches_the_connector_config() -> None:

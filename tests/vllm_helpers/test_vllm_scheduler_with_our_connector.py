@@ -68,12 +68,14 @@ class Engine:
         kv_events: bool = False,
         async_load_tokens: int | None = None,
         swap_space_path: str | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.kv_cache_interface import (
             FullAttentionSpec,
             KVCacheConfig,
             KVCacheGroupSpec,
+            SlidingWindowSpec,
         )
 
         from vllm_cpu_offload.connector import CPUOffloadConnector
@@ -88,7 +90,11 @@ class Engine:
             kv_connector_module_path="vllm_cpu_offload.connector",
             kv_role="kv_both",
             kv_connector_extra_config={
-                "swap_space_gib": HOST_BLOCKS * PAGE_BYTES / (1 << 30),
+                # HOST_BLOCKS host blocks: a block id's page in every group's layer
+                "swap_space_gib": HOST_BLOCKS
+                * PAGE_BYTES
+                * (1 if sliding_window is None else 2)
+                / (1 << 30),
                 **({"remote_url": remote_url} if remote_url else {}),
                 **(
                     {"offload_block_size": offload_block_size}
@@ -110,20 +116,25 @@ class Engine:
             config.kv_events_config = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="null"
             )
-        spec = FullAttentionSpec(
+        attn: dict[str, Any] = dict(
             block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
         )
+        groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(**attn))]
+        # With a window: vLLM's hybrid manager, a full and a sliding-window group, whose
+        # layers share one tensor (a block id belongs to one group at a time).
+        self.window = sliding_window
+        if sliding_window is not None:
+            swa = SlidingWindowSpec(sliding_window=sliding_window, **attn)
+            groups.append(KVCacheGroupSpec(["window_layer"], swa))
         kv_config = KVCacheConfig(
-            num_blocks=DEVICE_BLOCKS,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+            num_blocks=DEVICE_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
         )
         # The worker first, as vLLM's engine core starts them: a persistent tier's
         # index then names the worker's data file.
         # vLLM's CPU layout of one layer: [blocks, kv heads, block size, 2 * head size].
         self.kv = torch.full((DEVICE_BLOCKS, 1, BLOCK_SIZE, 2), -1.0)
         self.worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
-        self.worker.register_kv_caches({"layer": self.kv})
+        self.worker.register_kv_caches({g.layer_names[0]: self.kv for g in groups})
         self.scheduler = utils.create_scheduler(
             config, num_blocks=DEVICE_BLOCKS, kv_cache_config=kv_config
         )
@@ -134,26 +145,31 @@ class Engine:
             self.scheduler.kv_event_publisher = _KeptEvents(self.events)
         self.checked_slots = 0
         self.invalid_blocks = 0
+        self.failed_loads = 0  # requests whose load vLLM was told failed whole
 
     def _forward(self, num_scheduled: dict[str, int]) -> set[int]:
         """Checks the slots read as computed, writes the computed ones; returns the
-        device blocks whose slots were wrong."""
+        device blocks whose slots were wrong. A window group reads only the window
+        before the first token it computes (a null block there is wrong too)."""
         manager = self.scheduler.kv_cache_manager
         wrong: set[int] = set()
         for req_id, count in num_scheduled.items():
             request = self.scheduler.requests[req_id]
-            (block_ids,) = manager.get_block_ids(req_id)
             done = request.num_computed_tokens - count  # schedule() already advanced it
             tokens = request.all_token_ids
-            for pos in range(done + count):
-                block = block_ids[pos // BLOCK_SIZE]
-                slot = self.kv[block, 0, pos % BLOCK_SIZE]
-                if pos >= done:
-                    slot.fill_(float(tokens[pos]))
-                elif slot[0].item() != tokens[pos]:
-                    wrong.add(block)
-                else:
-                    self.checked_slots += 1
+            for group, block_ids in enumerate(manager.get_block_ids(req_id)):
+                start = 0
+                if group > 0 and self.window is not None:
+                    start = max(0, done - self.window + 1)
+                for pos in range(start, done + count):
+                    block = block_ids[pos // BLOCK_SIZE]
+                    slot = self.kv[block, 0, pos % BLOCK_SIZE]
+                    if pos >= done:
+                        slot.fill_(float(tokens[pos]))
+                    elif slot[0].item() != tokens[pos]:
+                        wrong.add(block)
+                    else:
+                        self.checked_slots += 1
         return wrong
 
     def shutdown(self) -> None:
@@ -174,9 +190,9 @@ class Engine:
         wrong = self._forward(out.num_scheduled_tokens)
         self.worker.save_kv_layer("layer", self.kv, None)  # type: ignore[arg-type]
         self.worker.wait_for_save()
-        finished_sending, finished_recving = self.worker.get_finished(
-            set(out.finished_req_ids)
-        )
+        # As vLLM's model runner asks: finished transfers and failed loads, then
+        # blocks that failed to load.
+        results = self.worker.get_transfer_results(set(out.finished_req_ids))
         invalid = self.worker.get_block_ids_with_load_errors()
         # Only blocks whose load failed may be wrong; vLLM discards this step's output
         # for their requests and recomputes them.
@@ -187,11 +203,14 @@ class Engine:
         requests = [self.scheduler.requests[r] for r in out.num_scheduled_tokens]
         output = self.utils.create_model_runner_output(
             requests,
-            finished_sending=finished_sending,
-            finished_recving=finished_recving,
+            finished_sending=results.finished_sending or None,
+            finished_recving=results.finished_recving or None,
             invalid_block_ids=invalid or None,
             kv_connector_worker_meta=report,
         )
+        if results.failed_recving:
+            output.kv_connector_output.failed_recving = results.failed_recving
+            self.failed_loads += len(results.failed_recving)
         return self.scheduler.update_from_output(out, output)
 
     def step_until_one_computes(self) -> None:

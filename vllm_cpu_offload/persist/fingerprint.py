@@ -67,11 +67,6 @@ def rank_name(tp_rank: int, pp_rank: int) -> str:
     return f"tp{tp_rank}-pp{pp_rank}"
 
 
-def this_worker_name() -> str:
-    """The calling worker's name (its tensor and pipeline parallel ranks)."""
-    return rank_name(*this_ranks())
-
-
 def this_ranks() -> tuple[int, int]:
     """The calling worker's (tensor, pipeline) parallel ranks; (0, 0) for a worker
     outside vLLM's process groups, which is alone."""

@@ -79,7 +79,7 @@ class LoadPlanning:
             if hbs:
                 hits = (first_hb + hbs) * k - first
             start = first_hb + hbs
-            remote_hbs = self._remote_hits(state, start, last_hb)
+            remote_hbs = self._remote_hits(state, first_hb, start, last_hb)
             if remote_hbs:
                 state.remote_hit = (start, remote_hbs)
                 hits = (start + remote_hbs) * k - first
@@ -104,17 +104,52 @@ class LoadPlanning:
         state = self._requests.get(request.request_id)
         return state is not None and (state.remote_hit is not None or state.async_host)
 
-    def _remote_hits(self, state: RequestState, start: int, end: int) -> int:
-        """Host blocks [start, start + n) of the request that the shared store holds
-        and the pool does not; asked once per request and range."""
+    def _remote_hits(
+        self, state: RequestState, first: int, start: int, end: int
+    ) -> int:
+        """Host blocks [start, start + n) of the request past its host hit (which
+        spans [first, start)) that the shared store serves; asked once per request
+        and range. With one full-attention group the store must hold them all; with
+        several groups a block of the hit comes from the pool or the store, wherever
+        each group finds it."""
         if state.remote_failed or start >= end:
             return 0
+        if not self._single_full_group:
+            return self._remote_hits_of_groups(state, first, start, end)
         if state.remote_asked is not None and state.remote_asked[:2] == (start, end):
             return state.remote_asked[2]
         hashes, k = state.request.block_hashes, self.blocks_per_host_block
         hits = self.shared.hits((0, hashes[hb * k + k - 1]) for hb in range(start, end))
         state.remote_asked = (start, end, hits)
         return hits
+
+    def _remote_hits_of_groups(
+        self, state: RequestState, first: int, start: int, end: int
+    ) -> int:
+        """`_remote_hits` with several KV cache groups: the longest hit every group
+        can serve (`longest_hit`: a full group needs every block, a window group the
+        blocks of its window before the hit's end), each block READY in the pool or
+        held by the store, less the host hit. One question to the store per request
+        and range, for every group's blocks the pool does not hold."""
+        hashes, k = state.request.block_hashes, self.blocks_per_host_block
+        asked = state.remote_held
+        if asked is None or asked[:2] != (first, end):
+            keys = [
+                (group.group_id, hashes[hb * k + k - 1])
+                for hb in range(first, end)
+                for group in self.groups
+            ]
+            asked = state.remote_held = (first, end, self.shared.held(keys))
+        held = asked[2]
+        state_of, ready = self.pool.state_of, BlockState.READY
+
+        def servable(group_id: int, hb: int) -> bool:
+            key = (group_id, hashes[hb * k + k - 1])
+            block_state = state_of(key)
+            return block_state is ready or (block_state is None and key in held)
+
+        hbs = longest_hit(self.groups, self.block_size * k, first, end, servable)
+        return max(0, first + hbs - start)
 
     def _is_ready(self, hashes: Sequence[Any]) -> Callable[[int, int], bool]:
         state_of = self.pool.state_of
@@ -163,7 +198,7 @@ class LoadPlanning:
         if num_external_tokens == 0:
             return
         if state.remote_hit is not None or state.async_host:
-            self._plan_async_load(state, device_block_ids[0], num_external_tokens)
+            self._plan_async_load(state, device_block_ids, num_external_tokens)
             return
         # Whole blocks, or the prompt's last block but its last token.
         count = -(-num_external_tokens // self.block_size)
@@ -207,9 +242,11 @@ class LoadPlanning:
         for group in self.groups:
             ids = device_block_ids[group.group_id]
             start = max(first, group.first_needed_block(end, self.block_size))
-            for hb in range(start // k, end // k):
+            for hb in range(start // k, -(-end // k)):
                 span = [
-                    j for j in range(max(hb * k, start), hb * k + k) if ids[j] != null
+                    j
+                    for j in range(max(hb * k, start), min(hb * k + k, end))
+                    if ids[j] != null
                 ]
                 if span:
                     keys.append((group.group_id, hashes[hb * k + k - 1]))
@@ -217,39 +254,45 @@ class LoadPlanning:
         return keys, spans
 
     def _plan_async_load(
-        self, state: RequestState, ids: Sequence[int], num_external_tokens: int
+        self,
+        state: RequestState,
+        device_block_ids: Sequence[Sequence[int]],
+        num_external_tokens: int,
     ) -> None:
-        """A hit that loads across steps (single full-attention group): pins its host
-        blocks, allocates host blocks for those it fetches from the shared store (none
-        for a host hit alone), and plans one job that fetches them, then loads every
-        block of the hit into `ids`."""
+        """A hit that loads across steps: pins each group's blocks of it that the
+        pool holds, allocates host blocks for the others (from the shared store), and
+        plans one job that fetches them, then loads the hit; with several groups,
+        whole or not at all (`AsyncLoad.whole`)."""
         request = state.request
-        hashes = request.block_hashes
-        k = self.blocks_per_host_block
-        first = state.lookup[0]
+        hashes, first = request.block_hashes, state.lookup[0]
         end = first + -(-num_external_tokens // self.block_size)
-        end_hb = -(-end // k)  # the host block after the hit's last one
-        remote_start = end_hb if state.remote_hit is None else state.remote_hit[0]
-        remote_end = max(remote_start, end_hb)
-        # The host part: blocks [first, remote_start * k), pinned as for a sync load.
-        host_keys = self._keys(0, hashes, first // k, remote_start)
-        device_ids: list[int] = []
-        slots: list[int] = []
-        for host_id, hb in zip(
-            self.pool.pin(host_keys), range(first // k, remote_start), strict=True
-        ):
-            for j in range(max(hb * k, first), min(hb * k + k, end)):
-                device_ids.append(ids[j])
-                slots.append(host_id * k + j % k)
-        fetched_from = len(device_ids)
-        fetched, host_blocks = self._allocate_fetched(hashes, remote_start, remote_end)
-        for n, host_id in enumerate(host_blocks):
-            hb = remote_start + n
-            for j in range(max(hb * k, first), min(hb * k + k, end)):
-                device_ids.append(ids[j])
-                slots.append(host_id * k + j % k)
-        loaded_to = first + len(device_ids)
-        unloadable = [ids[j] for j in range(loaded_to, end)]
+        keys, spans = self._load_spans(hashes, device_block_ids, first, end)
+        state_of, ready = self.pool.state_of, BlockState.READY
+        in_pool = [state_of(key) is ready for key in keys]
+        host_keys = [key for key, held in zip(keys, in_pool, strict=True) if held]
+        host_ids = iter(self.pool.pin(host_keys))
+        wanted = [
+            (key, span)
+            for key, span, held in zip(keys, spans, in_pool, strict=True)
+            if not held
+        ]
+        fetched, host_blocks = self._allocate_fetched(hashes, wanted)
+        pairs: list[tuple[int, list[int], int]] = [
+            (*span, next(host_ids))
+            for span, held in zip(spans, in_pool, strict=True)
+            if held
+        ]
+        fetched_from = sum(len(blocks) for _, blocks, _ in pairs)
+        # The fetched blocks' pairs: as many as got host blocks (the rest missed).
+        pairs += [
+            (*span, host_id)
+            for (_, span), host_id in zip(wanted, host_blocks, strict=False)
+        ]
+        device_ids, slots = self._pairs(device_block_ids, pairs)
+        missed = [span for _, span in wanted[len(fetched) :]]
+        whole = len(self.groups) > 1
+        if whole and missed:
+            state.remote_failed = True  # the load fails: do not ask again
         job = self._new_job("async", request.request_id, host_keys)
         self._jobs[job].fetched = fetched
         state.async_job = job
@@ -258,39 +301,91 @@ class LoadPlanning:
                 load=BlockTransfer(job, device_ids, slots, req_id=request.request_id),
                 fetch=self.shared.fetch(job, fetched, host_blocks),
                 fetched_from=fetched_from,
-                unloadable=unloadable,
+                unloadable=[
+                    device_block_ids[g][j] for g, blocks in missed for j in blocks
+                ],
+                whole=whole,
             )
         )
         state.planned_upto = max(state.planned_upto, end)
-        # A hit counts its tokens, and ends a token short of its blocks when it covers
-        # the prompt's last block.
-        host_tokens = min(fetched_from * self.block_size, num_external_tokens)
-        loaded_tokens = min(len(device_ids) * self.block_size, num_external_tokens)
-        self.stats.hit_tokens += host_tokens
-        self.stats.async_hit_tokens += host_tokens
-        self.stats.remote_hit_tokens += loaded_tokens - host_tokens
+        loaded_to = min((blocks[0] for _, blocks in missed), default=end)
+        self._count_async_hit(state, num_external_tokens, end, loaded_to)
         self.stats.loaded_blocks += len(device_ids)
 
-    def _allocate_fetched(
-        self, hashes: Sequence[Any], start_hb: int, end_hb: int
-    ) -> tuple[list[BlockKey], list[int]]:
-        """Host blocks [start_hb, end_hb) of an async load that come from the shared
-        store: allocated now, STORING until the fetch ends. A run cut short (no room,
-        a key held meanwhile) loads what it got; vLLM recomputes the rest."""
+    def _pairs(
+        self,
+        device_block_ids: Sequence[Sequence[int]],
+        pairs: list[tuple[int, list[int], int]],
+    ) -> tuple[list[int], list[int]]:
+        """The device blocks and host slots of (group, blocks, host block) triples,
+        counted per group."""
         k = self.blocks_per_host_block
-        wanted = self._keys(0, hashes, start_hb, end_hb)
-        parent = (0, hashes[start_hb * k - 1]) if start_hb > 0 else None
-        got = self.pool.allocate_for_store(wanted, parent) if wanted else []
+        device_ids: list[int] = []
+        slots: list[int] = []
+        loaded = self.stats.loaded_by_group
+        for group_id, blocks, host_id in pairs:
+            ids = device_block_ids[group_id]
+            device_ids += [ids[j] for j in blocks]
+            slots += [host_id * k + j % k for j in blocks]
+            loaded[group_id] += len(blocks)
+        return device_ids, slots
+
+    def _count_async_hit(
+        self, state: RequestState, num_external_tokens: int, end: int, loaded_to: int
+    ) -> None:
+        """An async hit of blocks [first, end), loaded up to `loaded_to`, counts its
+        tokens (from host memory, from the store), and ends a token short of its
+        blocks when it covers the prompt's last block."""
+        first, k = state.lookup[0], self.blocks_per_host_block
+        host_end = end if state.remote_hit is None else state.remote_hit[0] * k
+        host_blocks, loaded_blocks = host_end - first, loaded_to - first
+        host_tokens = min(max(0, host_blocks) * self.block_size, num_external_tokens)
+        loaded_tokens = min(
+            max(0, loaded_blocks) * self.block_size, num_external_tokens
+        )
+        self.stats.hit_tokens += host_tokens
+        self.stats.async_hit_tokens += host_tokens
+        self.stats.remote_hit_tokens += max(0, loaded_tokens - host_tokens)
+
+    def _allocate_fetched(
+        self,
+        hashes: Sequence[Any],
+        wanted: list[tuple[BlockKey, tuple[int, list[int]]]],
+    ) -> tuple[list[BlockKey], list[int]]:
+        """Host blocks for the `wanted` blocks of an async load (key, then group and
+        device blocks, each group's in order) that come from the shared store:
+        allocated now, STORING until the fetch ends, chain by chain (each run of one
+        group's consecutive host blocks). Allocation stops at the first it cannot
+        make (no room, a key held meanwhile): the load loads what it got."""
+        k = self.blocks_per_host_block
         fetched: list[BlockKey] = []
         host_blocks: list[int] = []
-        for key, (got_key, host_id) in zip(wanted, got, strict=False):
-            if key != got_key:
+        n = 0
+        while n < len(wanted):
+            group_id, hb = wanted[n][1][0], wanted[n][1][1][0] // k
+            run = n + 1
+            while (
+                run < len(wanted)
+                and wanted[run][1][0] == group_id
+                and (wanted[run][1][1][0] // k == hb + run - n)
+            ):
+                run += 1
+            keys = [key for key, _ in wanted[n:run]]
+            parent = (group_id, hashes[hb * k - 1]) if hb > 0 else None
+            got = self.pool.allocate_for_store(keys, parent)
+            matched = 0
+            for key, (got_key, host_id) in zip(keys, got, strict=False):
+                if key != got_key:
+                    break
+                fetched.append(key)
+                host_blocks.append(host_id)
+                matched += 1
+            beyond = [key for key, _ in got[matched:]]
+            if beyond:
+                self.pool.complete_store(beyond, False)
+            if matched < len(keys):
                 break
-            fetched.append(key)
-            host_blocks.append(host_id)
-        beyond = [key for key, _ in got[len(fetched) :]]
-        if beyond:
-            self.pool.complete_store(beyond, False)
+            n = run
         return fetched, host_blocks
 
     # ---- shared with the store planning ----

@@ -1,12 +1,13 @@
 """The scheduler half's question to the shared store: how many of a request's next
-blocks does it hold, on every rank?
+blocks does it hold, on every rank (with several KV cache groups: which of each
+group's blocks)?
 
 One batched call per lookup, for every block past the device and host hits and every
-rank's shard. A block counts only when each rank holds its shard, and the hit is the
-longest such run from the first block on. The call is bounded by its timeout; a store
-that fails or is slow answers "none" (a miss, counted), and after a failure the store is
-left alone for `backoff_s`, so a dead store costs a step at most one timeout per
-back-off.
+rank's shard. A block counts only when each rank holds its shard; with one group the
+hit is the longest such run from the first block on. The call is bounded by its
+timeout; a store that fails or is slow answers "none" (a miss, counted), and after a
+failure the store is left alone for `backoff_s`, so a dead store costs a step at most
+one timeout per back-off.
 """
 
 from __future__ import annotations
@@ -43,21 +44,24 @@ class RemoteLookup:
     def count_hits(self, keys: Sequence[str]) -> int:
         """How many of `keys` (rank-independent, in prefix order) every rank holds,
         from the first on."""
+        held = self.held(keys)
+        return next((i for i, ok in enumerate(held) if not ok), len(held))
+
+    def held(self, keys: Sequence[str]) -> list[bool]:
+        """For each of `keys` (rank-independent), whether every rank holds it; all
+        False when the store fails or is left alone after a failure."""
         if not keys or time.monotonic() < self._quiet_until:
-            return 0
+            return [False] * len(keys)
         shards = [shard_key(k, r) for k in keys for r in self.ranks]
         try:
-            held = self.store.exists(shards, self.timeout_s)
+            found = self.store.exists(shards, self.timeout_s)
         except RemoteStoreError as e:
             self.failures += 1
             self._quiet_until = time.monotonic() + self.backoff_s
             logger.debug("remote KV lookup failed: %s", e)
-            return 0
+            return [False] * len(keys)
         ranks = len(self.ranks)
-        for i in range(len(keys)):
-            if not all(held[i * ranks : i * ranks + ranks]):
-                return i
-        return len(keys)
+        return [all(found[i * ranks : i * ranks + ranks]) for i in range(len(keys))]
 
     def close(self) -> None:
         self.store.close()

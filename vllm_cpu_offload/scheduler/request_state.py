@@ -40,6 +40,9 @@ class RequestState:
     remote_hit: tuple[int, int] | None = None
     # The last question to the store: (first, end host block) -> its answer.
     remote_asked: tuple[int, int, int] | None = None
+    # With several KV cache groups: (first, end host block) -> the keys of every
+    # group's blocks there that the store held.
+    remote_held: tuple[int, int, frozenset[BlockKey]] | None = None
     # The last lookup's hit is in host memory alone and large enough to load across
     # steps (`async_load_tokens`).
     async_host: bool = False

@@ -1,7 +1,8 @@
 """The shared store as the scheduler half sees it: block keys in, pool states out.
 
-`SharedTier` asks the store how much of a prefix it holds past the host hit, names the
-blocks an async load fetches and the blocks every store writes through, and settles
+`SharedTier` asks the store how much of a prefix it holds past the host hit (with
+several KV cache groups, which of each group's blocks it holds), names the blocks an
+async load fetches and the blocks every store writes through, and settles
 both once every worker reported: fetched blocks become visible (or are freed and not
 asked for again for a while), and a store's host blocks stay held until every
 worker's write-through has read them. `NoSharedTier` is the same seam without a store:
@@ -67,6 +68,9 @@ class NoSharedTier:
 
     def hits(self, keys: Iterable[BlockKey]) -> int:
         return 0
+
+    def held(self, keys: Iterable[BlockKey]) -> frozenset[BlockKey]:
+        return frozenset()
 
     def fetch(
         self, job_id: int, keys: list[BlockKey], host_blocks: list[int]
@@ -170,6 +174,24 @@ class SharedTier(NoSharedTier):
         hits = self.lookup.count_hits([self.remote_key(key) for key in asked])
         self.stats.remote_lookup_failures += self.lookup.failures - failures
         return hits
+
+    def held(self, keys: Iterable[BlockKey]) -> frozenset[BlockKey]:
+        """Which of `keys` (any groups' blocks, in any order) the store holds on every
+        rank; a key the pool holds, in any state, or one that failed to arrive lately
+        is not asked for. Its tokens are counted once per block, whatever the number
+        of groups asking for it."""
+        now = time.monotonic()
+        asked = [
+            key
+            for key in keys
+            if key not in self.pool and self._unfetchable.get(key, 0.0) <= now
+        ]
+        blocks = {cast(tuple[int, Any], key)[1] for key in asked}
+        self.stats.remote_lookup_tokens += len(blocks) * self.tokens_per_key
+        failures = self.lookup.failures
+        found = self.lookup.held([self.remote_key(key) for key in asked])
+        self.stats.remote_lookup_failures += self.lookup.failures - failures
+        return frozenset(key for key, ok in zip(asked, found, strict=True) if ok)
 
     def fetch(
         self, job_id: int, keys: list[BlockKey], host_blocks: list[int]

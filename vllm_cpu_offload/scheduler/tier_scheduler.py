@@ -107,11 +107,11 @@ class HostTierScheduler(LoadPlanning):
         self._reports: Counter[int] = Counter()
         self._next_job_id = 0
         self._step_loads: list[BlockTransfer] = []
-        # With a shared store (single full-attention group only): lookups past the host
-        # hit, write-through of every store, fetches that span steps.
+        # With a shared store: lookups past the host hit, write-through of every
+        # store (every group's blocks), fetches that span steps.
         self.shared = shared_tier_of(
             pool,
-            remote if self._single_full_group else None,
+            remote,
             namespace,
             num_workers=num_workers,
             stats=self.stats,
@@ -121,8 +121,8 @@ class HostTierScheduler(LoadPlanning):
         )
         self.namespace = namespace
         # Host hits of at least this many tokens load across steps while other requests
-        # run; 0: none. Only with a single full-attention group, as the shared store's
-        # hits.
+        # run; 0: none. Only with a single full-attention group (with several, only
+        # hits that reach into the shared store load across steps).
         self.async_load_tokens = async_load_tokens if self._single_full_group else 0
         # The requests the last step computed: a hit with none of them beside it holds
         # no one back, and loads inside its step (a step sooner).

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 VOCAB_WORDS = 4000
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+BOS_ID, EOS_ID = 1, 2  # "<s>", "</s>"
 # The words of vLLM's own long-document benchmark script (documents are "{i}hi hi hi
 # ...", warm-up prompts "This is warm up request {i}hi hi ..."), after the `w` words so
 # that the ids and weights of everything before them stay as they were.
@@ -92,15 +94,34 @@ def ensure_tiny_llama(
     shape: TinyLlamaShape = TEST_SHAPE, root: Path | None = None
 ) -> Path:
     """Returns the folder of the model of `shape`, generating it on first use."""
-    folder = (root or cache_root()) / "models" / shape.name
-    stamp = folder / "shape.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == _stamp(shape):
+
+    def write(folder: Path) -> None:
+        _write_config(folder, shape)
+        _write_weights(folder, shape)
+
+    return ensure_generated(shape.name, _stamp(shape), write, root)
+
+
+def ensure_generated(
+    name: str,
+    stamp: dict[str, object],
+    write: Callable[[Path], None],
+    root: Path | None = None,
+) -> Path:
+    """The cache folder `models/{name}` of a generated model: the tokenizer, its
+    generation config and what `write(folder)` writes (the model's config and weights),
+    made again unless the folder's stamp equals `stamp`."""
+    folder = (root or cache_root()) / "models" / name
+    stamp_file = folder / "shape.json"
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(folder)
-    _write_config(folder, shape)
-    _write_weights(folder, shape)
-    stamp.write_text(json.dumps(_stamp(shape)))  # last: a half-written folder is redone
+    (folder / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
+    )
+    write(folder)
+    stamp_file.write_text(json.dumps(stamp))  # last: a half-written folder is redone
     return folder
 
 
@@ -147,8 +168,8 @@ def _write_config(folder: Path, shape: TinyLlamaShape) -> None:
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "vocab_size": len(vocabulary()),
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
@@ -159,9 +180,6 @@ def _write_config(folder: Path, shape: TinyLlamaShape) -> None:
             for layer in range(shape.num_layers)
         ]
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    (folder / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2})
-    )
 
 
 def _write_weights(folder: Path, shape: TinyLlamaShape) -> None:
