@@ -1,12 +1,12 @@
 """Writes upstream/*.patch, the package as a `git format-patch` series against vLLM
-0.32.0.
+0.33.0.
 
     python scripts/make_upstream_series.py # rewrite upstream/*.patch and README.md
     python scripts/make_upstream_series.py --check # regenerate into a temp dir, compare
     python scripts/make_upstream_series.py --tree DIR # also leave the patched vLLM tree
     in DIR
 
-The series is built, not written: the vLLM 0.32.0 source distribution
+The series is built, not written: the vLLM 0.33.0 source distribution
 (scripts/fetch_vllm_sdist.sh, checked by sha256) is committed as the base of a scratch
 git repository, each patch below changes that tree and is committed, and `git
 format-patch` writes the commits out. Everything a patch carries comes from this
@@ -48,7 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "vllm_cpu_offload"
 UPSTREAM = REPO / "upstream"
 TEMPLATES = UPSTREAM / "templates"
-VLLM_VERSION = "0.32.0"
+# The series' base, the current vLLM release (scripts/test_upstream.sh tests on it). The
+# package supports 0.32 as well, as a plugin; the series has one base.
+VLLM_VERSION = "0.33.0"
 LINE_LENGTH = 88  # vLLM's ruff line length
 
 IN_TREE = "vllm/distributed/kv_transfer/kv_connector/v1/cpu_offload"
@@ -58,7 +60,7 @@ TESTS_MOD = TESTS.replace("/", ".")
 CONNECTOR = "CPUOffloadConnector"
 
 # scripts/test_upstream.sh on the 2-core CI machine, measured (upstream/README.md).
-STAGE_TIME = "2 minutes"
+STAGE_TIME = "3 minutes"
 
 AUTHOR_NAME = "vllm-cpu-offload"
 AUTHOR_EMAIL = "vllm-cpu-offload@users.noreply.github.com"
@@ -98,9 +100,13 @@ PLUGIN_ONLY_TESTS = {
     "test_vllm_suite_plugin.py",
 }
 
+# Modules of `vllm_cpu_offload/testing/` that go beside the in-tree tests when a test
+# there imports them: the generated models the tests run on.
+TEST_HELPERS = ("tiny_model", "tiny_mla")
+
 # Applied in order to every file taken from this repository.
 REWRITES: tuple[tuple[str, str], ...] = (
-    ("vllm_cpu_offload.testing.tiny_model", f"{TESTS_MOD}.tiny_model"),
+    *((f"vllm_cpu_offload.testing.{m}", f"{TESTS_MOD}.{m}") for m in TEST_HELPERS),
     ("vllm_cpu_offload.eviction_policies", "vllm.cpu_offload.eviction_policies"),
     ("vllm_cpu_offload.remote_stores", "vllm.cpu_offload.remote_stores"),
     ("tests.external_policy", f"{TESTS_MOD}.external_policy"),
@@ -364,6 +370,23 @@ def copy_test(src: Path, dst: Path, tree: Path) -> None:
     write(dst, rewrite(text))
 
 
+def copy_test_helpers(dst: Path) -> None:
+    """The TEST_HELPERS that the tests in `dst`, or helpers copied before, import."""
+    copied: set[str] = set()
+    while True:
+        text = "".join(p.read_text() for p in sorted(dst.rglob("*.py")))
+        wanted = [
+            m
+            for m in TEST_HELPERS
+            if m not in copied and re.search(rf"{re.escape(TESTS_MOD)}\.{m}\b", text)
+        ]
+        if not wanted:
+            return
+        for m in wanted:
+            copy_rewritten(PACKAGE / f"testing/{m}.py", dst / f"{m}.py")
+            copied.add(m)
+
+
 def stage_tests(tree: Path) -> None:
     dst = tree / TESTS
     for src in sorted((REPO / "tests/unit").glob("*.py")):
@@ -380,9 +403,9 @@ def stage_tests(tree: Path) -> None:
     # vllm_utils).
     text = _drop_function(scheduler_test.read_text(), "vllm_utils")
     write(dst / "test_vllm_scheduler.py", rewrite(text))
-    copy_rewritten(PACKAGE / "testing/tiny_model.py", dst / "tiny_model.py")
     for src in sorted((TEMPLATES / TESTS).rglob("*.py")):
         write(dst / src.relative_to(TEMPLATES / TESTS), src.read_text())
+    copy_test_helpers(dst)
     for folder in (dst, dst / "kernels", dst / "external_policy"):
         (folder / "__init__.py").touch()
 
@@ -690,6 +713,10 @@ def fetch_full_sdist() -> Path:
 
 
 def base_tree(sdist: Path, tree: Path) -> None:
+    version = re.search(r"^Version: (\S+)$", (sdist / "PKG-INFO").read_text(), re.M)
+    assert version and version.group(1) == VLLM_VERSION, (
+        f"{sdist} is not vLLM {VLLM_VERSION}'s source distribution, the series' base"
+    )
     shutil.copytree(
         sdist, tree, symlinks=True, ignore=shutil.ignore_patterns(".complete")
     )
@@ -769,7 +796,9 @@ def main() -> int:
         "--check", action="store_true", help="compare with upstream/, write nothing"
     )
     parser.add_argument(
-        "--sdist", type=Path, help="an unpacked vLLM 0.32.0 sdist (default: fetch)"
+        "--sdist",
+        type=Path,
+        help=f"an unpacked vLLM {VLLM_VERSION} sdist (default: fetch)",
     )
     parser.add_argument("--tree", type=Path, help="build the patched tree here (kept)")
     parser.add_argument(

@@ -70,12 +70,27 @@ with zipfile.ZipFile(wheel) as z:
 PY
 }
 
+# Byte-compiles the environment once (the installs below pass --no-compile):
+# without .pyc files, and with PYTHONDONTWRITEBYTECODE set none are written, every Python
+# process compiles torch's and vLLM's sources again as it imports them, more than ten
+# seconds per process on 2 cores. Errors are left to the import: a few of torch's files are
+# for newer Pythons.
+COMPILED="$VENV/.byte-compiled"
+byte_compile() {
+  [ -f "$COMPILED" ] && return 0
+  "$VENV/bin/python" -m compileall -q -j 0 \
+    "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")" \
+    >/dev/null 2>&1 || true
+  touch "$COMPILED"
+}
+
 if [ -f "$DONE" ] && [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "
 import importlib.metadata as m, importlib.util as u, pytest
 assert m.version('vllm') == '$VERSION' and u.find_spec('vllm_cpu_offload')" 2>/dev/null; then
   # An environment made before the editable install carried the hook gets it now.
   has_pth || "$VENV/bin/pip" install -q --no-deps -e .
   cpu_kernels
+  byte_compile
   exit 0
 fi
 if [ "$(uname -m)" != x86_64 ]; then
@@ -91,7 +106,7 @@ if ! echo "$SHA256  $CACHE/$WHEEL" | sha256sum -c --quiet >/dev/null 2>&1; then
   mv "$CACHE/$WHEEL.part" "$CACHE/$WHEEL"
 fi
 
-rm -f "$DONE"
+rm -f "$DONE" "$COMPILED"
 python3 -m venv "$VENV"
 # .gitignore names .venv/ only: keep this one out of git by itself (as Python 3.13's venv does).
 echo '*' > "$VENV/.gitignore"
@@ -149,6 +164,7 @@ print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-d
 # shellcheck disable=SC2086  # word splitting wanted
 "${PIPI[@]}" $TEST_REQS
 cpu_kernels
+byte_compile
 touch "$DONE"
 "$VENV/bin/python" -c "
 import importlib.metadata as m, torch

@@ -34,7 +34,7 @@ def _vllm_config(folder: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def vllm_model(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """vLLM's model of the generated config, on the CPU, with a one-rank process
+    """The vLLM model of the generated config, on the CPU, with a one-rank process
     group."""
     import torch
     from vllm.config import set_current_vllm_config

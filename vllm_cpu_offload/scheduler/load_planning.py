@@ -61,7 +61,7 @@ class LoadPlanning:
         first_hb, last_hb = first // k, last // k
         hits = 0
         state.remote_hit = None
-        if last_hb > first_hb:
+        if last_hb > first_hb and not state.load_failed:
             hashes = request.block_hashes
             if self._single_full_group:
                 hbs = self.pool.count_hits(self._keys(0, hashes, first_hb, last_hb))
@@ -91,16 +91,22 @@ class LoadPlanning:
         tokens = min(
             hits * self.block_size, request.num_tokens - 1 - num_computed_tokens
         )
-        state.async_host = (
-            state.remote_hit is None
-            and 0 < self.async_load_tokens <= tokens
-            and len(self._last_scheduled) > (request.request_id in self._last_scheduled)
+        # With several KV cache groups every hit loads across steps: vLLM takes the
+        # failure of such a load only as a failed request, and only while it waits.
+        state.async_host = state.remote_hit is None and (
+            len(self.groups) > 1
+            or (
+                0 < self.async_load_tokens <= tokens
+                and len(self._last_scheduled)
+                > (request.request_id in self._last_scheduled)
+            )
         )
         return tokens
 
     def load_is_async(self, request: Request) -> bool:
         """Whether the last lookup's hit loads across steps: it waits for blocks from
-        the shared store, or it is a host hit of `async_load_tokens` or more."""
+        the shared store, it is a host hit of `async_load_tokens` or more, or the
+        model has several KV cache groups."""
         state = self._requests.get(request.request_id)
         return state is not None and (state.remote_hit is not None or state.async_host)
 

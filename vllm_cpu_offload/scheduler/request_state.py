@@ -50,6 +50,9 @@ class RequestState:
     # asked for it again (a store that lists blocks it cannot serve would otherwise
     # send the request round and round).
     remote_failed: bool = False
+    # A load across steps of this request failed in its copy: vLLM recomputes, from
+    # the device hit on (a copy that fails again would send the request round too).
+    load_failed: bool = False
     # Store jobs in flight: the request's device blocks outlive it until they are
     # done. (An async load needs no such care: vLLM keeps the blocks of a request
     # that waits for remote KV until the workers report the load.)

@@ -311,6 +311,8 @@ class HostTierScheduler(LoadPlanning):
             self.pool.unpin(job.keys)
             if not success:
                 self.stats.failed_loads += 1
+                if (state := self._requests.get(job.req_id)) is not None:
+                    state.load_failed = True
             return
         self.shared.store_completed(job_id, job.keys, job.stored, success)
         if success:

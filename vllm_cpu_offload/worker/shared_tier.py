@@ -115,6 +115,11 @@ class NoSharedTierWorker:
             fetched=[self._ended(async_load, async_load.fetched_from, nothing)]
         )
 
+    def load_failed(self, req_id: str) -> None:
+        """A whole load of `req_id` failed in its copy: reported with the failed
+        loads."""
+        self._failed_loads.add(req_id)
+
     def take_failed_loads(self) -> set[str]:
         """The requests whose whole load failed since the last call: vLLM recomputes
         them (its `failed_recving`); each is also among the finished loads."""

@@ -89,6 +89,9 @@ class HostTierWorker:
         self.remote = remote
         # The store is reached once the host buffer exists (`register_kv_caches`).
         self.shared: NoSharedTierWorker = NoSharedTierWorker()
+        # async loads of several KV cache groups in flight: a failed copy fails the
+        # request, not single blocks
+        self._whole_loads: set[int] = set()
         # async load job -> device blocks it will not fill (recomputed by vLLM)
         self._async_unloaded: dict[int, list[int]] = {}
         self._finished_recving: set[str] = set()
@@ -166,6 +169,8 @@ class HostTierWorker:
         the hit once they are in host memory. A hit in host memory alone loads now."""
         load = async_load.load
         self._async_req[load.job_id] = load.req_id
+        if async_load.whole:
+            self._whole_loads.add(load.job_id)
         self._apply(self.shared.fetch(async_load))
 
     def start_loads(self, metadata: OffloadStepMetadata) -> None:
@@ -250,9 +255,10 @@ class HostTierWorker:
         if len(load.device_block_ids) == 0:
             self._collect(FinishedJobs(loads={job_id}))
             return
+        loads = self._without_injected_faults([load])
         start = time.perf_counter()
         # No step waits for it: vLLM schedules the request once it is reported.
-        self._engine().start_background_loads([load])
+        self._engine().start_background_loads(loads)
         self._load_seconds += time.perf_counter() - start
 
     def _collect(self, finished: FinishedJobs) -> None:
@@ -264,7 +270,11 @@ class HostTierWorker:
                 self._load_errors.update(self._load_device_blocks.pop(job_id, ()))
         for job_id in finished.failed:
             self._report.failed[job_id] += 1
-            if job_id in self._load_device_blocks:
+            if job_id in self._whole_loads:
+                # Several KV cache groups: vLLM recomputes the whole request.
+                self._load_device_blocks.pop(job_id, None)
+                self.shared.load_failed(self._async_req[job_id])
+            elif job_id in self._load_device_blocks:
                 # vLLM recomputes the tokens of these blocks: a miss, never
                 # a wrong token.
                 self._load_errors.update(self._load_device_blocks.pop(job_id))
@@ -275,6 +285,7 @@ class HostTierWorker:
             self._job_done(job_id, stored=True)
 
     def _job_done(self, job_id: int, *, stored: bool) -> None:
+        self._whole_loads.discard(job_id)
         unloaded = self._async_unloaded.pop(job_id, None)
         if unloaded is not None:
             # An async load: vLLM recomputes what it did not fill, and may schedule
