@@ -417,7 +417,12 @@ def test_hybrid_groups_store_every_group_and_load_only_the_window() -> None:
     full, window = engine.kv.get_block_ids("b")
     null = engine.kv.block_pool.null_block.block_id
     assert window[:4] == [null] * 4 and null not in window[4:6]
-    (load,) = engine.tier.build_connector_meta(SchedulerOutput.make_empty()).loads
+    meta = engine.tier.build_connector_meta(SchedulerOutput.make_empty())
+    # Several groups: the hit loads across steps, whole or not at all, so that a
+    # failed copy fails the request (vLLM takes no load error of single blocks).
+    (async_load,) = meta.async_loads
+    assert not meta.loads and async_load.whole and not async_load.fetch.keys
+    load = async_load.load
     assert load.device_block_ids == full[:6] + window[4:6]
     pool = engine.tier.pool
     expected = [(0, twin.block_hashes[i]) for i in range(6)]
@@ -502,9 +507,8 @@ def test_resumed_hybrid_request_stores_around_the_window_groups_null_blocks() ->
     engine.report(_prefill(engine, _request("a", list(range(26)))).stores[0].job_id)
     twin = _request("b", list(range(26)))
     assert engine.admit(twin) == 6 * BS
-    engine.report(
-        engine.tier.build_connector_meta(SchedulerOutput.make_empty()).loads[0].job_id
-    )
+    meta = engine.tier.build_connector_meta(SchedulerOutput.make_empty())
+    engine.report(meta.async_loads[0].load.job_id)  # several groups: across steps
     engine.tier.pool.reset()
     engine.step({}, preempted={"b"})
     twin.append_output_token_ids([1, 2])  # 28 tokens: block 6 is full after this step

@@ -209,12 +209,8 @@ class HostBlockPool:
             The (key, host block id) pairs allocated, in chain order. O(1) per key.
 
         """
-        held = self._by_key
-        get = held.get
-        free = self._free
-        pop = free.pop
-        policy = self.policy
-        storing = BlockState.STORING
+        held, policy, free = self._by_key, self.policy, self._free
+        get, pop, storing = held.get, free.pop, BlockState.STORING
         prev = get(parent) if parent is not None else None
         gap_above = parent is not None and prev is None
         allocated: list[tuple[BlockKey, int]] = []
@@ -234,9 +230,8 @@ class HostBlockPool:
                     if not self._room_for(key, keys, evicted):
                         break
                 block = pop()
-                # Attach: a STORING block, invisible to lookups, under `prev`.
-                block.key = key
-                block.state = storing
+                # A STORING block, invisible to lookups, under `prev`.
+                block.key, block.state = key, storing
                 if gap_above:  # a free block is never an orphan: `_release` clears it
                     block.orphan = True
                 if prev is not None:

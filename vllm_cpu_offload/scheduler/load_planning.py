@@ -45,8 +45,7 @@ class LoadPlanning:
         self, request: Request, num_computed_tokens: int
     ) -> int:
         """Tokens past the device hit that the host tier holds, in whole blocks."""
-        state = self._state(request)
-        k = self.blocks_per_host_block
+        state, k = self._state(request), self.blocks_per_host_block
         first = num_computed_tokens // self.block_size
         # A host block is looked up by its last device block's hash, so only host
         # blocks that end by `last` count. At least one token must be computed to
@@ -59,8 +58,7 @@ class LoadPlanning:
         )
         last = min(len(request.block_hashes), end_token // self.block_size)
         first_hb, last_hb = first // k, last // k
-        hits = 0
-        state.remote_hit = None
+        hits, state.remote_hit = 0, None
         if last_hb > first_hb and not state.load_failed:
             hashes = request.block_hashes
             if self._single_full_group:

@@ -121,8 +121,7 @@ class HostTierScheduler(LoadPlanning):
         )
         self.namespace = namespace
         # Host hits of at least this many tokens load across steps while other requests
-        # run; 0: none. Only with a single full-attention group (with several, only
-        # hits that reach into the shared store load across steps).
+        # run; 0: none. (With several groups every hit does: `get_num_new_matched_...`.)
         self.async_load_tokens = async_load_tokens if self._single_full_group else 0
         # The requests the last step computed: a hit with none of them beside it holds
         # no one back, and loads inside its step (a step sooner).

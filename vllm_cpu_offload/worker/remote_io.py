@@ -355,7 +355,7 @@ class RemoteIO:
             keys = [shard_key(k, self.rank) for k in job.keys[start:end]]
             targets = [self._span(h) for h in job.host_blocks[start:end]]
             arrived += self._fetch_batch_into(keys, targets)
-        self._count("fetched_blocks", sum(arrived))
+        # Fetched blocks are counted once by the scheduler half, not by every rank.
         self._count("fetch_missed_blocks", len(arrived) - sum(arrived))
         return arrived
 
