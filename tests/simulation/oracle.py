@@ -19,7 +19,10 @@ _MASK = (1 << 24) - 1
 
 
 def rank_of(name: str) -> int:
-    """The TP rank in a worker's name (`tp{r}-pp0`)."""
+    """The TP rank in a worker's name (`tp{r}-pp0`); 0 for a stage's replicated KV
+    (`pp0`), which every rank computes alike."""
+    if not name.startswith("tp"):
+        return 0
     return int(name.removeprefix("tp").partition("-")[0])
 
 

@@ -32,6 +32,7 @@ import torch
 from tests.simulation.late_copies import CopyFaults, LateCopies
 from tests.simulation.mooncake_client import SimMooncakeStore
 from tests.simulation.oracle import Oracle
+from tests.simulation.replicated import replicated_kv
 from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,6 +118,10 @@ class World:
         # Odd seeds run vLLM's async scheduling: a step is scheduled (and its aborts
         # taken) before the last step's output, its reports included, is processed.
         self.async_scheduling = seed % 2 == 1
+        # Every other pair of seeds at TP > 1 runs MLA-style KV: the same on every rank,
+        # in one host region the ranks share (the first rank stores, all load) and one
+        # value per block in the store, named without the rank.
+        self.replicated = tp > 1 and (seed // 2) % 2 == 1
         self.rng = random.Random(seed)
         self.step_no = 0
         self.name = f"sim-{seed}-{tp}-{id(self)}"
@@ -134,11 +139,12 @@ class World:
         # A2 reaches the store through the product's Mooncake adapter (over a
         # simulated Mooncake client): its call thread, timeouts, recoveries and
         # registrations run as they do against a real master.
-        self.engines = [
-            self._engine("A", model, None, salt=0x000000),
-            self._engine("A2", model, None, salt=0x000000, store=MOONCAKE_STORE),
-            self._engine("B", model, {"rope_theta": 20000.0}, salt=0x5A5A5A),
-        ]
+        with replicated_kv(self.replicated):
+            self.engines = [
+                self._engine("A", model, None, salt=0x000000),
+                self._engine("A2", model, None, salt=0x000000, store=MOONCAKE_STORE),
+                self._engine("B", model, {"rope_theta": 20000.0}, salt=0x5A5A5A),
+            ]
 
     # ---- building ----
 
@@ -498,7 +504,11 @@ class World:
             done = request.num_computed_tokens - count
             end = done + count
             tokens = self._tokens(engine, request)
-            want = self.oracle.slot_values(req_id, tokens[:end], engine.salt, r)
+            # Replicated KV: every rank computes rank 0's values.
+            value_rank = 0 if self.replicated else r
+            want = self.oracle.slot_values(
+                req_id, tokens[:end], engine.salt, value_rank
+            )
             pos = torch.arange(end)
             blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // BLOCK_SIZE]
             offsets = pos % BLOCK_SIZE

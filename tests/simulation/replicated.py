@@ -1,0 +1,66 @@
+"""MLA-style KV in the simulation: every rank of an engine holds the same KV.
+
+The product decides this from vLLM's model config (`kv_is_replicated`); the simulated
+model is a Llama, so the decision is patched where the product reads it. The ranks of
+one engine run in this one process, so the host region they share is one tensor per
+engine (by its region path) instead of a file every rank maps, and the ranks agree
+without a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+
+import vllm_cpu_offload.kv_identity as kv_identity_module
+import vllm_cpu_offload.replicated_kv as replicated_kv_module
+import vllm_cpu_offload.spec as spec_module
+
+
+class SimSharedRegion:
+    """`SharedRegion` for ranks that are objects of one process: one tensor per
+    path, made by the first rank that maps it."""
+
+    tensors: dict[str, torch.Tensor] = {}
+
+    def __init__(
+        self, path: str, agree: Callable[[bool], bool] | None, *, leader: bool
+    ) -> None:
+        self.path = path
+        self.leader = leader
+
+    def map(self, num_slots: int, slot_bytes: int) -> torch.Tensor:
+        tensor = self.tensors.get(self.path)
+        if tensor is None:
+            tensor = torch.zeros((num_slots, slot_bytes), dtype=torch.uint8)
+            self.tensors[self.path] = tensor
+        assert tensor.shape == (num_slots, slot_bytes), "ranks disagree on the tier"
+        return tensor
+
+
+@contextlib.contextmanager
+def replicated_kv(on: bool) -> Iterator[None]:
+    """While open, engines built think their KV replicated (`on`) or sharded."""
+    if not on:
+        yield
+        return
+
+    def replicated(_: Any) -> bool:
+        return True
+
+    with contextlib.ExitStack() as stack:
+        for module in (kv_identity_module, replicated_kv_module, spec_module):
+            stack.enter_context(
+                mock.patch.object(module, "kv_is_replicated", replicated)
+            )
+        stack.enter_context(
+            mock.patch.object(spec_module, "SharedRegion", SimSharedRegion)
+        )
+        stack.enter_context(
+            mock.patch.object(spec_module, "tensor_parallel_agreement", lambda: None)
+        )
+        yield
