@@ -15,14 +15,13 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from tests.unit.test_tier_worker import BLOCKS, HOST_BLOCKS, LAYERS, _step  # noqa: E402
 from vllm_cpu_offload.kv_identity import kv_is_replicated  # noqa: E402
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata  # noqa: E402
 from vllm_cpu_offload.replicated_kv import shard_names  # noqa: E402
 from vllm_cpu_offload.worker.host_buffer import HostBuffer  # noqa: E402
 from vllm_cpu_offload.worker.shared_region import SHM_DIR, SharedRegion  # noqa: E402
 from vllm_cpu_offload.worker.tier_worker import HostTierWorker  # noqa: E402
-
-LAYERS, BLOCKS, HOST_BLOCKS = 2, 8, 4
 
 
 def _agreement(ranks: int) -> Callable[[bool], bool]:
@@ -76,16 +75,6 @@ def _workers(ranks: int, path: str) -> list[tuple[HostTierWorker, dict]]:
         return worker, own
 
     return _in_ranks(ranks, make)  # type: ignore[return-value]
-
-
-def _step(worker: HostTierWorker, meta: OffloadStepMetadata) -> None:
-    worker.begin_step(meta)
-    worker.start_loads(meta)
-    for i in range(LAYERS):
-        worker.wait_for_layer_load(f"l{i}")
-        worker.save_layer(f"l{i}")
-    worker.finish_step()
-    worker.get_finished()
 
 
 @pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
