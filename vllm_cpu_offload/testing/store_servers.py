@@ -9,6 +9,7 @@ message says how to install it (a test fixture turns it into a skip).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -66,6 +67,23 @@ class _Processes:
 
     def signal(self, name: str, sig: int) -> None:
         self._procs[name].send_signal(sig)
+
+    def wait_stopped(self, name: str) -> None:
+        """Until every thread of `name` is stopped (state T in /proc)."""
+        tasks = Path(f"/proc/{self._procs[name].pid}/task")
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            states = []
+            for task in tasks.iterdir():
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    # the state follows the command name, which is in parentheses
+                    states.append(
+                        (task / "stat").read_text().rpartition(")")[2].split()[0]
+                    )
+            if states and all(state in ("T", "t") for state in states):
+                return
+            time.sleep(0.01)
+        raise RuntimeError(f"{name} did not stop within {_READY_TIMEOUT_S} s")
 
     def wait_port(self, name: str, port: int) -> None:
         """Until `port` takes connections; raises if `name` exits or time runs out."""
@@ -167,8 +185,11 @@ class MooncakeServers:
         self.start_master()
 
     def pause_master(self) -> None:
-        """SIGSTOP: the master takes connections and never answers (a hung host)."""
+        """SIGSTOP: the master takes connections and never answers (a hung host).
+        Returns once every thread of it is stopped: a signal is only queued when
+        kill() returns, and on a busy machine the master may answer a call first."""
         self._procs.signal("master", signal.SIGSTOP)
+        self._procs.wait_stopped("master")
 
     def resume_master(self) -> None:
         self._procs.signal("master", signal.SIGCONT)
