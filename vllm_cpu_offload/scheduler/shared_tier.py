@@ -170,10 +170,8 @@ class SharedTier(NoSharedTier):
                 break
             asked.append(key)
         self.stats.remote_lookup_tokens += len(asked) * self.tokens_per_key
-        failures = self.lookup.failures
-        hits = self.lookup.count_hits([self.remote_key(key) for key in asked])
-        self.stats.remote_lookup_failures += self.lookup.failures - failures
-        return hits
+        held = self._ask(asked)
+        return next((i for i, ok in enumerate(held) if not ok), len(held))
 
     def held(self, keys: Iterable[BlockKey]) -> frozenset[BlockKey]:
         """Which of `keys` (any groups' blocks, in any order) the store holds on every
@@ -188,10 +186,16 @@ class SharedTier(NoSharedTier):
         ]
         blocks = {cast(tuple[int, Any], key)[1] for key in asked}
         self.stats.remote_lookup_tokens += len(blocks) * self.tokens_per_key
-        failures = self.lookup.failures
-        found = self.lookup.held([self.remote_key(key) for key in asked])
-        self.stats.remote_lookup_failures += self.lookup.failures - failures
+        found = self._ask(asked)
         return frozenset(key for key, ok in zip(asked, found, strict=True) if ok)
+
+    def _ask(self, keys: list[BlockKey]) -> list[bool]:
+        """For each of `keys`, whether the store holds it on every rank; the
+        lookup's failures counted."""
+        failures = self.lookup.failures
+        found = self.lookup.held([self.remote_key(key) for key in keys])
+        self.stats.remote_lookup_failures += self.lookup.failures - failures
+        return found
 
     def fetch(
         self, job_id: int, keys: list[BlockKey], host_blocks: list[int]

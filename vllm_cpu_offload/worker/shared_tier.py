@@ -135,7 +135,7 @@ class NoSharedTierWorker:
         if async_load.whole and (
             cut < len(load.device_block_ids) or len(async_load.unloadable) > 0
         ):
-            self._failed_loads.add(load.req_id)
+            self.load_failed(load.req_id)
             return FetchedLoad(
                 arrived=arrived,
                 load=BlockTransfer(load.job_id, [], [], req_id=load.req_id),
