@@ -12,8 +12,9 @@ it. Those depend on:
   cache layout, which fixes the byte order inside a block (`LBNHC` is vLLM's NHD,
   `LBHNC` its HND: the same block size, other bytes);
 - the blocks: block size, host block size, KV cache groups;
-- each rank's share: tensor, pipeline and context parallel sizes (the tensor-parallel
-  size not for MLA, whose KV every rank holds whole);
+- each rank's share: pipeline and context parallel sizes, and the tensor-parallel size
+  only where a block's values in the shared store depend on it (`kv_sharding`: MLA's
+  KV is whole on every rank, sharded attention is stored one KV head per value);
 - the keys: the prefix-caching hash and a digest of its seed; the vLLM release.
 `max_model_len` and the scheduler's settings change no byte and stay out. With
 `VLLM_ATTENTION_BACKEND` gone in vLLM 0.32, a backend chosen automatically is the
@@ -73,10 +74,11 @@ def kv_identity(
         "block_size": int(cache.block_size),
         "blocks_per_host_block": blocks_per_host_block,
         "kv_cache_groups": [repr(g) for g in groups],
-        # Replicated KV (MLA) is the same at any TP size: engines of every size share.
+        # Values per KV head, or replicated KV (MLA), are the same at any TP size:
+        # engines of every size share them (kv_shards.py).
         "tensor_parallel_size": (
             "any"
-            if kv_is_replicated(vllm_config)
+            if kv_sharding(vllm_config) != RANKS
             else int(parallel.tensor_parallel_size)
         ),
         "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
@@ -89,10 +91,47 @@ def kv_identity(
     }
 
 
+# How a block's KV is spread over the tensor-parallel ranks (`kv_sharding`).
+REPLICATED = "replicated"
+HEADS = "heads"
+RANKS = "ranks"
+
+
 def kv_is_replicated(vllm_config: Any) -> bool:
     """Whether every tensor-parallel rank caches the same KV bytes: MLA's latent KV,
-    made by replicated projections (`replicated_kv.py`)."""
+    made by replicated projections (`kv_shards.py`)."""
     return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+def kv_sharding(vllm_config: Any) -> str:
+    """How a block's KV is spread over the tensor-parallel ranks:
+    - `REPLICATED`: every rank holds it whole (MLA);
+    - `HEADS`: each rank holds a contiguous range of the KV heads (or, past one rank
+      per head, one head several ranks hold alike), as vLLM's attention shards them at
+      every TP size, so a head's bytes do not depend on the TP size;
+    - `RANKS`: neither (context parallelism also splits the tokens): a rank's bytes
+      mean something only to a rank of the same TP size."""
+    if kv_is_replicated(vllm_config):
+        return REPLICATED
+    parallel = vllm_config.parallel_config
+    context_parallel = max(
+        int(getattr(parallel, "prefill_context_parallel_size", 1)),
+        int(getattr(parallel, "decode_context_parallel_size", 1)),
+    )
+    heads = total_kv_heads(vllm_config)
+    tp = int(parallel.tensor_parallel_size)
+    if context_parallel > 1 or heads < 1 or (heads % tp and tp % heads):
+        return RANKS
+    return HEADS
+
+
+def total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over all ranks; 0 where the config does not say."""
+    count = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
+    try:
+        return int(count()) if count is not None else 0
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def unshared_notice(vllm_config: Any, *, persisted: bool, shared: bool) -> str | None:

@@ -19,6 +19,7 @@ from vllm.logger import init_logger
 from vllm_cpu_offload.config import OffloadConfig
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.kv_identity import kv_is_replicated, unshared_notice
+from vllm_cpu_offload.kv_shards import shard_names, worker_shards
 from vllm_cpu_offload.persist.block_index import BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.persist.fingerprint import (
@@ -30,7 +31,6 @@ from vllm_cpu_offload.persist.fingerprint import (
 from vllm_cpu_offload.remote.namespace import namespace_of
 from vllm_cpu_offload.remote.registry import open_store
 from vllm_cpu_offload.remote.store import wait_until_answering
-from vllm_cpu_offload.replicated_kv import shard_name, shard_names
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
 from vllm_cpu_offload.scheduler.policies import make_policy
@@ -120,7 +120,7 @@ class OffloadSpec:
             self.remote_url, namespace = None, ""
         self.namespace = namespace
         # MLA: every tensor-parallel rank holds the same KV, stored once per engine
-        # (replicated_kv.py). The persistent tier keeps a file per rank.
+        # (kv_shards.py). The persistent tier keeps a file per rank.
         self.kv_replicated = kv_is_replicated(vllm_config)
         self.shares_host_region = (
             self.kv_replicated
@@ -187,9 +187,8 @@ class OffloadSpec:
                 RemoteSettings(
                     lambda: open_store(url, role="worker"),
                     self.namespace,
-                    shard_name(self.vllm_config, tp_rank, pp_rank),
+                    worker_shards(self.vllm_config, tp_rank, pp_rank),
                     self.config.remote_timeout_s,
-                    writes_through=not self.kv_replicated or tp_rank == 0,
                 )
                 if url is not None
                 else None

@@ -36,6 +36,7 @@ from vllm_cpu_offload.remote.store import (
 )
 from vllm_cpu_offload.testing.store_servers import MooncakeServers, RedisServer
 from vllm_cpu_offload.worker import remote_io
+from vllm_cpu_offload.worker.block_values import BlockValues
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults
@@ -197,8 +198,7 @@ def _io(store: RemoteStore, host: HostBuffer) -> RemoteIO:
     return RemoteIO(
         store,
         host,
-        blocks_per_host_block=1,
-        rank="tp0-pp0",
+        BlockValues(host, ["tp0-pp0"], blocks_per_host_block=1),
         namespace=NAMESPACE,
         timeout_s=TIMEOUT_S,
         max_queued_writes=HOST_BLOCKS,

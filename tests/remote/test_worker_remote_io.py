@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_cpu_offload.block_transfer import RemoteBlocks
+from vllm_cpu_offload.kv_shards import WorkerShards
 from vllm_cpu_offload.remote import value_format
 from vllm_cpu_offload.remote.namespace import shard_key
 from vllm_cpu_offload.remote.registry import open_store
@@ -19,6 +20,7 @@ from vllm_cpu_offload.testing.store_servers import (
     free_port,
 )
 from vllm_cpu_offload.worker import remote_io
+from vllm_cpu_offload.worker.block_values import BlockValues
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults
@@ -51,9 +53,10 @@ def _connected(url: str, role: str = "worker") -> RemoteStore:
 
 
 def _io(url: str, host: HostBuffer, rank: str = "tp0-pp0", **kw: object) -> RemoteIO:
+    values = BlockValues(
+        host, [rank], blocks_per_host_block=int(kw.pop("blocks_per_host_block", 1))
+    )
     options: dict = dict(
-        blocks_per_host_block=1,
-        rank=rank,
         namespace=NAMESPACE,
         timeout_s=5.0,
         max_queued_writes=HOST_BLOCKS,
@@ -61,7 +64,7 @@ def _io(url: str, host: HostBuffer, rank: str = "tp0-pp0", **kw: object) -> Remo
     options.update(kw)
     store = open_store(url, role="worker") if kw.get("down") else _connected(url)
     options.pop("down", None)
-    return RemoteIO(store, host, **options)
+    return RemoteIO(store, host, values, **options)
 
 
 def _until(io: RemoteIO, done: object) -> RemoteResults:
@@ -209,7 +212,7 @@ def test_an_idle_step_reports_a_fetch_that_ends_while_it_waits(redis_url: str) -
     settings = RemoteSettings(
         open_store=lambda: _connected(redis_url),
         namespace=NAMESPACE,
-        rank="tp0-pp0",
+        shards=WorkerShards(("tp0-pp0",), writes=True, per_head=False),
         timeout_s=5.0,
     )
     # A wait far longer than the fetch: the assertion does not depend on timing.

@@ -17,7 +17,6 @@ from unittest import mock
 import torch
 
 import vllm_cpu_offload.kv_identity as kv_identity_module
-import vllm_cpu_offload.replicated_kv as replicated_kv_module
 import vllm_cpu_offload.spec as spec_module
 
 
@@ -53,7 +52,7 @@ def replicated_kv(on: bool) -> Iterator[None]:
         return True
 
     with contextlib.ExitStack() as stack:
-        for module in (kv_identity_module, replicated_kv_module, spec_module):
+        for module in (kv_identity_module, spec_module):
             stack.enter_context(
                 mock.patch.object(module, "kv_is_replicated", replicated)
             )

@@ -127,17 +127,24 @@ def test_each_change_of_the_kv_bytes_changes_namespace_and_fingerprint(
     assert fingerprint(changed) != fingerprint(base)
 
 
-def test_the_tp_size_names_sharded_kv_but_not_replicated_kv(
+def test_the_tp_size_is_left_out_where_values_do_not_depend_on_it(
     tiny_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tp1, tp2 = vllm_config(tiny_model), vllm_config(tiny_model)
     tp2.parallel_config.tensor_parallel_size = 2
-    # Each rank holds a slice of the KV heads: other bytes per rank.
-    assert namespace(tp1) != namespace(tp2)
+    # One value per KV head: a head's bytes are the same at any TP size.
+    assert namespace(tp1) == namespace(tp2)
+    # The persistent tier's files hold each rank's own slots: pinned to the TP size.
+    assert fingerprint(tp1) != fingerprint(tp2)
     # MLA: every rank holds the whole latent KV, the same at any TP size.
     monkeypatch.setattr(type(tp1.model_config), "use_mla", property(lambda _: True))
     assert namespace(tp1) == namespace(tp2)
     assert namespace(tp1) != namespace(vllm_config(tiny_model, dtype="float16"))
+    monkeypatch.undo()
+    # Context parallelism splits the tokens too: a rank's values need its TP size.
+    tp1.parallel_config.decode_context_parallel_size = 2
+    tp2.parallel_config.decode_context_parallel_size = 2
+    assert namespace(tp1) != namespace(tp2)
 
 
 def test_equal_engines_agree_in_every_process(tiny_model: str) -> None:

@@ -1,12 +1,11 @@
 """Replicated KV (MLA) stored once: one host region every tensor-parallel rank maps,
-stores copied by the first rank, loads by every rank; the shared store's names and
-namespace without the tensor-parallel rank and size."""
+stores copied by the first rank, loads by every rank (the shared store's names:
+test_kv_shards.py)."""
 
 from __future__ import annotations
 
 import os
 import threading
-import types
 from collections.abc import Callable
 
 import pytest
@@ -16,9 +15,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from tests.unit.test_tier_worker import BLOCKS, HOST_BLOCKS, LAYERS, _step  # noqa: E402
-from vllm_cpu_offload.kv_identity import kv_is_replicated  # noqa: E402
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata  # noqa: E402
-from vllm_cpu_offload.replicated_kv import shard_names  # noqa: E402
 from vllm_cpu_offload.worker.host_buffer import HostBuffer  # noqa: E402
 from vllm_cpu_offload.worker.shared_region import SHM_DIR, SharedRegion  # noqa: E402
 from vllm_cpu_offload.worker.tier_worker import HostTierWorker  # noqa: E402
@@ -127,23 +124,3 @@ def test_a_rank_that_cannot_map_the_region_makes_every_rank_keep_its_own() -> No
     a, b = buffers
     a.tensor[0, 0] = 9  # type: ignore[union-attr]
     assert int(b.tensor[0, 0]) == 0  # type: ignore[union-attr]
-
-
-def _config(*, use_mla: bool, tp: int, pp: int = 1) -> types.SimpleNamespace:
-    return types.SimpleNamespace(
-        model_config=types.SimpleNamespace(use_mla=use_mla),
-        parallel_config=types.SimpleNamespace(
-            tensor_parallel_size=tp, pipeline_parallel_size=pp
-        ),
-    )
-
-
-def test_replicated_kv_has_one_shard_per_stage_sharded_kv_one_per_rank() -> None:
-    assert kv_is_replicated(_config(use_mla=True, tp=2))
-    assert not kv_is_replicated(_config(use_mla=False, tp=2))
-    assert shard_names(_config(use_mla=True, tp=4, pp=2)) == ["pp0", "pp1"]
-    # The same names at any TP size: engines of every size read each other.
-    assert shard_names(_config(use_mla=True, tp=1)) == shard_names(
-        _config(use_mla=True, tp=8)
-    )
-    assert shard_names(_config(use_mla=False, tp=2)) == ["tp0-pp0", "tp1-pp0"]

@@ -50,7 +50,10 @@ def tier_fingerprint(
     if fields["weights"] is None:
         # Blocks of weights nobody can name again must not outlive this start.
         fields["weights"] = f"unidentified (start {secrets.token_hex(4)})"
-    return {**fields, "num_host_blocks": num_host_blocks}
+    # The tier's files hold each rank's slots as that rank lays them out: pinned to
+    # this TP size, though the shared store's values are not.
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    return {**fields, "tensor_parallel_size": tp, "num_host_blocks": num_host_blocks}
 
 
 def worker_names(vllm_config: Any) -> list[str]:

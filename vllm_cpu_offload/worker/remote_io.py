@@ -8,14 +8,16 @@ waits on them) and writes in small batches between them. Writes are bounded: whe
 cache). The scheduler keeps the host blocks of a job pinned until the job is reported,
 so the thread reads and writes them while no copy of the step touches them.
 
-A fetch lands in a staging buffer of the worker's own, is checked there
-(`value_format`: a value of another namespace, key or length, or with a bad checksum, is
-a miss, counted), and only then copied into its host block.
+A block is one value or several (one per KV head: `block_values.py`); it is written,
+or arrived, only when all of them are. A fetch lands in a staging buffer of the worker's
+own, is checked there (`value_format`: a value of another namespace, key or length, or
+with a bad checksum, is a miss, counted), and only then copied into its host block.
 
 Memory named in a store call lives, registered, until that call has returned. A call
 past its timeout may go on (`RemoteCallTimeout`): a fetch's staging buffer, or a
 write's headers buffer, is then held, untouched, until the call returns, while later
-calls use another; then it is unregistered before it is freed (or used again). So a
+calls use another (so does a write's values buffer, where values are cut from host
+blocks); then it is unregistered before it is freed (or used again). So a
 late write reaches no host block and no buffer in use, and no client names freed
 memory. At most `MAX_HELD_BUFFERS` of each are held: past that, fetches are misses and
 writes fail, without a call. A write whose put timed out is reported only once that
@@ -45,6 +47,7 @@ from vllm_cpu_offload.remote.store import (
     Span,
     wait_until_answering,
 )
+from vllm_cpu_offload.worker.block_values import BlockValues
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
 logger = logging.getLogger(__name__)
@@ -140,7 +143,7 @@ class RemoteIO:
     Args:
         store: this worker's client of the shared store.
         host: the host buffer; a store block is `blocks_per_host_block` slots of it.
-        rank: this worker's name, the last part of its shards' keys.
+        values: a block's values (their names end their keys) and where they lie.
         namespace: what the values' headers must name.
         timeout_s: the bound of every store call.
 
@@ -150,32 +153,36 @@ class RemoteIO:
         self,
         store: RemoteStore,
         host: HostBuffer,
+        values: BlockValues,
         *,
-        blocks_per_host_block: int,
-        rank: str,
         namespace: str,
         timeout_s: float,
         max_queued_writes: int,
     ) -> None:
         self.store = store
-        self.rank = rank
+        self.values = values
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.max_queued_writes = max_queued_writes
         # Held: the thread writes into its memory through raw addresses.
         self._host = host
-        self._base = host.tensor.data_ptr()
-        self._block_bytes = host.block_bytes * blocks_per_host_block
+        self._block_bytes = values.block_bytes
         self._fetch_batch = max(1, FETCH_BATCH_BYTES // self._block_bytes)
-        self._num_host_blocks = host.num_slots // blocks_per_host_block
-        self._host_span = Span(self._base, host.tensor.numel())
+        self._host_span = Span(host.tensor.data_ptr(), host.tensor.numel())
         store.register(self._host_span)
-        # Headers of one write batch, and a fetch batch's landing place (its headers,
-        # then its blocks).
-        self._headers = _Buffers(store, WRITE_BATCH * value_format.HEADER_BYTES)
+        # Headers of one write batch, its values where they are cut from host blocks,
+        # and a fetch batch's landing place (its headers, then its values).
+        per_block = len(values.names)
+        self._headers = _Buffers(
+            store, WRITE_BATCH * per_block * value_format.HEADER_BYTES
+        )
+        self._cut = (
+            _Buffers(store, WRITE_BATCH * self._block_bytes) if values.staged else None
+        )
         self._staging = _Buffers(
             store,
-            self._fetch_batch * (value_format.HEADER_BYTES + self._block_bytes),
+            self._fetch_batch
+            * (per_block * value_format.HEADER_BYTES + self._block_bytes),
         )
         # The worker's first stores come right after start: give the store its
         # timeout to connect (then the tier goes on, and connects when it answers).
@@ -238,7 +245,13 @@ class RemoteIO:
     def registered_spans(self) -> list[Span]:
         """The memory this worker keeps registered with its store: the host buffer
         and every header and staging buffer alive (read while the worker is idle)."""
-        return [self._host_span, *self._headers.spans(), *self._staging.spans()]
+        cut = self._cut.spans() if self._cut is not None else []
+        return [
+            self._host_span,
+            *self._headers.spans(),
+            *cut,
+            *self._staging.spans(),
+        ]
 
     def close(self) -> None:
         with self._lock:
@@ -297,10 +310,14 @@ class RemoteIO:
         for in_flight in running:
             in_flight.add_done_callback(returned)
 
-    def _span(self, host_block: int) -> Span:
-        if not 0 <= host_block < self._num_host_blocks:
-            raise ValueError(f"host block {host_block} out of range")
-        return Span(self._base + host_block * self._block_bytes, self._block_bytes)
+    def _keys(self, block_keys: Sequence[str]) -> list[str]:
+        """The keys of the values of `block_keys`, block by block."""
+        return [shard_key(k, name) for k in block_keys for name in self.values.names]
+
+    def _by_block(self, per_value: Sequence[bool]) -> list[bool]:
+        """Per block: whether every one of its values did."""
+        n = len(self.values.names)
+        return [all(per_value[i : i + n]) for i in range(0, len(per_value), n)]
 
     def _write(self, job: RemoteBlocks, running: list[Future[Any]]) -> list[bool]:
         """Writes the job's blocks; for each, whether the store holds it now. A put
@@ -308,66 +325,81 @@ class RemoteIO:
         written: list[bool] = []
         for start in range(0, len(job.keys), WRITE_BATCH):
             end = start + WRITE_BATCH
-            keys = [shard_key(k, self.rank) for k in job.keys[start:end]]
-            written += self._write_batch(keys, job.host_blocks[start:end], running)
+            written += self._write_batch(
+                job.keys[start:end], job.host_blocks[start:end], running
+            )
         return written
 
     def _write_batch(
-        self, keys: list[str], host_blocks: Sequence[int], running: list[Future[Any]]
+        self,
+        block_keys: Sequence[str],
+        host_blocks: Sequence[int],
+        running: list[Future[Any]],
     ) -> list[bool]:
         headers_at = self._headers.ready()
-        if headers_at is None:
-            self._failed("write", len(keys), _ALL_HELD)
-            return [False] * len(keys)
+        cut_at = self._cut.ready() if self._cut is not None else 0
+        if headers_at is None or cut_at is None:
+            self._failed("write", len(block_keys), _ALL_HELD)
+            return [False] * len(block_keys)
+        keys = self._keys(block_keys)
+        spans = self.values.write_spans(host_blocks, cut_at)
         header_bytes = value_format.HEADER_BYTES
         values: list[list[Span]] = []
-        for i, (key, host_block) in enumerate(zip(keys, host_blocks, strict=True)):
-            block = self._span(host_block)
+        for i, (key, payload) in enumerate(zip(keys, spans, strict=True)):
             header = Span(headers_at + i * header_bytes, header_bytes)
             packed = value_format.pack_header(
-                key, self.namespace, block.address, block.size
+                key, self.namespace, payload.address, payload.size
             )
             ctypes.memmove(header.address, packed, len(packed))
-            values.append([header, block])
+            values.append([header, payload])
         begin = time.perf_counter()
         try:
             stored = self.store.put(keys, values, self.timeout_s)
         except RemoteCallTimeout as e:
-            # It may still read the headers and the host blocks.
+            # It may still read the headers, the cut values and the host blocks.
             self._headers.hold(e.in_flight, self._host)
+            if self._cut is not None:
+                self._cut.hold(e.in_flight)
             running.append(e.in_flight)
-            self._failed("write", len(keys), e)
-            return [False] * len(keys)
+            self._failed("write", len(block_keys), e)
+            return [False] * len(block_keys)
         except RemoteStoreError as e:
-            self._failed("write", len(keys), e)
-            return [False] * len(keys)
+            self._failed("write", len(block_keys), e)
+            return [False] * len(block_keys)
         self._count("write_seconds", time.perf_counter() - begin)
-        done = sum(stored)
+        by_block = self._by_block(stored)
+        done = sum(by_block)
         self._count("written_blocks", done)
         self._count("bytes_out", done * self._block_bytes)
-        self._count("write_refused_blocks", len(keys) - done)
-        return stored
+        self._count("write_refused_blocks", len(block_keys) - done)
+        return by_block
 
     def _fetch(self, job: RemoteBlocks) -> list[bool]:
         arrived: list[bool] = []
         for start in range(0, len(job.keys), self._fetch_batch):
             end = start + self._fetch_batch
-            keys = [shard_key(k, self.rank) for k in job.keys[start:end]]
-            targets = [self._span(h) for h in job.host_blocks[start:end]]
-            arrived += self._fetch_batch_into(keys, targets)
+            arrived += self._fetch_batch_into(
+                job.keys[start:end], job.host_blocks[start:end]
+            )
         # Fetched blocks are counted once by the scheduler half, not by every rank.
         self._count("fetch_missed_blocks", len(arrived) - sum(arrived))
         return arrived
 
-    def _fetch_batch_into(self, keys: list[str], targets: list[Span]) -> list[bool]:
-        """Fetches `keys` through the staging buffer into `targets`; for each,
-        whether it arrived and passed its checks."""
+    def _fetch_batch_into(
+        self, block_keys: Sequence[str], host_blocks: Sequence[int]
+    ) -> list[bool]:
+        """Fetches the values of `block_keys` through the staging buffer into
+        `host_blocks`; for each block, whether all its values arrived and passed
+        their checks."""
+        for host_block in host_blocks:
+            self.values.host_span(host_block)  # refuses an id out of range
         at = self._staging.ready()
         if at is None:
-            self._failed("fetch", len(keys), _ALL_HELD)
-            return [False] * len(keys)
-        header_bytes, size = value_format.HEADER_BYTES, self._block_bytes
-        payloads_at = at + self._fetch_batch * header_bytes
+            self._failed("fetch", len(block_keys), _ALL_HELD)
+            return [False] * len(block_keys)
+        keys = self._keys(block_keys)
+        header_bytes, size = value_format.HEADER_BYTES, self.values.value_bytes
+        payloads_at = at + self._fetch_batch * len(self.values.names) * header_bytes
         into = [
             [
                 Span(at + i * header_bytes, header_bytes),
@@ -381,34 +413,39 @@ class RemoteIO:
         except RemoteCallTimeout as e:
             # It may still write the staging buffer.
             self._staging.hold(e.in_flight)
-            self._failed("fetch", len(keys), e)
+            self._failed("fetch", len(block_keys), e)
             found = [False] * len(keys)
         except RemoteStoreError as e:
-            self._failed("fetch", len(keys), e)
+            self._failed("fetch", len(block_keys), e)
             found = [False] * len(keys)
         self._count("fetch_seconds", time.perf_counter() - begin)
         self._count("fetch_calls", 1)
-        arrived: list[bool] = []
-        for key, (header, payload), target, ok in zip(
-            keys, into, targets, found, strict=True
-        ):
-            if ok:
-                problem = value_format.header_problem(
-                    ctypes.string_at(header.address, header_bytes),
-                    key,
-                    self.namespace,
-                    payload.address,
-                    size,
-                )
-                if problem is not None:
-                    logger.warning("remote KV block %s refused: %s", key, problem)
-                    self._count("rejected_blocks", 1)
-                    ok = False
-            if ok:
-                ctypes.memmove(target.address, payload.address, size)
-                self._count("bytes_in", size)
-            arrived.append(ok)
+        checked = [
+            ok and self._passes(key, header, payload)
+            for key, (header, payload), ok in zip(keys, into, found, strict=True)
+        ]
+        arrived = self._by_block(checked)
+        rows = [i for i, ok in enumerate(arrived) if ok]
+        if rows:
+            self.values.land(payloads_at, rows, [host_blocks[i] for i in rows])
+            self._count("bytes_in", len(rows) * self._block_bytes)
         return arrived
+
+    def _passes(self, key: str, header: Span, payload: Span) -> bool:
+        """Whether the value just fetched under `key` may be loaded (counted and
+        logged where not)."""
+        problem = value_format.header_problem(
+            ctypes.string_at(header.address, header.size),
+            key,
+            self.namespace,
+            payload.address,
+            payload.size,
+        )
+        if problem is None:
+            return True
+        logger.warning("remote KV block %s refused: %s", key, problem)
+        self._count("rejected_blocks", 1)
+        return False
 
     def _failed(self, what: str, blocks: int, error: Exception) -> None:
         self._count(f"{what}_failures", 1)

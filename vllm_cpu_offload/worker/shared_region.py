@@ -1,5 +1,5 @@
 """One host region that every tensor-parallel rank of a pipeline stage maps: the host
-tier of KV that every rank holds alike (`replicated_kv.py`).
+tier of KV that every rank holds alike (`kv_shards.py`).
 
 Each rank opens the same file on a tmpfs (`/dev/shm`), reserves its size (a tmpfs
 that cannot hold it refuses here, not with a bus error on first touch), maps it

@@ -21,12 +21,18 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer, RemoteBlocks
+from vllm_cpu_offload.errors import OffloadConfigError
+from vllm_cpu_offload.kv_shards import WorkerShards
 from vllm_cpu_offload.remote.store import RemoteStore
+from vllm_cpu_offload.worker.block_values import BlockValues
 from vllm_cpu_offload.worker.copiers.copy_threads import (
     ThreadsBesideTheModel,
     threads_started_beside_the_model,
 )
+from vllm_cpu_offload.worker.head_slices import HeadSliceError, HeadSlices
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.remote_io import RemoteIO
 
@@ -37,11 +43,9 @@ class RemoteSettings:
 
     open_store: Callable[[], RemoteStore]
     namespace: str
-    rank: str
+    # The values this worker reads and writes (`kv_shards.py`).
+    shards: WorkerShards
     timeout_s: float
-    # False on the ranks past the first where KV is replicated (MLA): the first rank
-    # writes the block's one value.
-    writes_through: bool = True
 
 
 @dataclass(frozen=True)
@@ -278,23 +282,31 @@ class SharedTierWorker(NoSharedTierWorker):
 def open_shared_tier_worker(
     settings: RemoteSettings | None,
     host: HostBuffer,
+    kv_caches: dict[str, torch.Tensor],
     *,
+    num_device_blocks: int,
     blocks_per_host_block: int,
     idle_fetch_wait_s: float,
 ) -> NoSharedTierWorker:
     """This worker's seam to the store `settings` name (none: `NoSharedTierWorker`),
-    connected to `host`."""
+    connected to `host` (made for `kv_caches`)."""
     if settings is None:
         return NoSharedTierWorker()
     k = blocks_per_host_block
+    values = block_values_of(
+        settings.shards,
+        host,
+        kv_caches,
+        num_device_blocks=num_device_blocks,
+        blocks_per_host_block=k,
+    )
     # The store's threads (and its client's) write through while the model computes:
     # off the model's cores where the machine has others.
     with threads_started_beside_the_model() as store_threads:
         io = RemoteIO(
             settings.open_store(),
             host,
-            blocks_per_host_block=k,
-            rank=settings.rank,
+            values,
             namespace=settings.namespace,
             timeout_s=settings.timeout_s,
             # Queued writes pin their host blocks: at most a quarter of the tier.
@@ -305,5 +317,40 @@ def open_shared_tier_worker(
         store_threads,
         blocks_per_host_block=k,
         idle_fetch_wait_s=idle_fetch_wait_s,
-        writes_through=settings.writes_through,
+        writes_through=settings.shards.writes,
+    )
+
+
+def block_values_of(
+    shards: WorkerShards,
+    host: HostBuffer,
+    kv_caches: dict[str, torch.Tensor],
+    *,
+    num_device_blocks: int,
+    blocks_per_host_block: int,
+) -> BlockValues:
+    """How this worker's host blocks are cut into `shards`' values.
+
+    Raises:
+        OffloadConfigError: values are per KV head, and a layer's cache cannot be cut
+            so (its head count differs from the model's).
+
+    """
+    slices = None
+    if shards.per_head:
+        try:
+            slices = HeadSlices.for_kv_caches(
+                host,
+                kv_caches,
+                num_heads=len(shards.names),
+                num_blocks=num_device_blocks,
+                blocks_per_host_block=blocks_per_host_block,
+            )
+        except HeadSliceError as e:
+            raise OffloadConfigError(
+                f"--swap-space-remote stores one value per KV head, but {e}; drop "
+                "--swap-space-remote for this model"
+            ) from e
+    return BlockValues(
+        host, shards.names, blocks_per_host_block=blocks_per_host_block, slices=slices
     )

@@ -128,6 +128,8 @@ class HostTierWorker:
         self.shared = open_shared_tier_worker(
             self.remote,
             host,
+            kv_caches,
+            num_device_blocks=self.num_device_blocks,
             blocks_per_host_block=self.blocks_per_host_block,
             idle_fetch_wait_s=self.idle_fetch_wait_s,
         )
