@@ -100,7 +100,7 @@ class SimMooncakeClient:
         def run() -> list[int]:
             if not self._registered_all("get (as it writes)", into):
                 return [_FAILED] * len(keys)
-            found = self.backend.get_values(self._rng, keys, into)
+            found = self.backend.get_values(self.name, self._rng, keys, into)
             return [
                 sum(sz) if ok else _FAILED for ok, sz in zip(found, sizes, strict=True)
             ]

@@ -1,9 +1,10 @@
 """What every KV slot must hold: a value derived from the token prefix up to it, the
-engine's fingerprint and the TP rank.
+engine's fingerprint and the global KV head.
 
-Equal prefixes give equal values on one engine and rank (as real KV does, whatever the
-`cache_salt`), so a block reached through any path can be checked; another prefix,
-rank or engine gives another value. Values fit in 24 bits, exact in float32.
+Equal prefixes give equal values on one engine and head (as real KV does, whatever the
+`cache_salt` and the TP size), so a block reached through any path, written by an engine
+of any TP size, can be checked; another prefix, head or engine gives another value.
+Values fit in 24 bits, exact in float32.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from vllm_cpu_offload.remote import value_format
 _MASK = (1 << 24) - 1
 
 
-def rank_of(name: str) -> int:
-    """The TP rank in a worker's name (`tp{r}-pp0`); 0 for a stage's replicated KV
-    (`pp0`), which every rank computes alike."""
-    if not name.startswith("tp"):
-        return 0
-    return int(name.removeprefix("tp").partition("-")[0])
+def head_of(name: str) -> int:
+    """The value index a shard name stands for (the `rank` of `Oracle.slot_value`): the
+    global KV head of a per-head value (`pp0-h{g}`); 0 for a stage's replicated KV
+    (`pp0`), which every rank computes alike; the TP rank of a per-rank value
+    (`tp{r}-pp0`)."""
+    if name.startswith("tp"):
+        return int(name.removeprefix("tp").partition("-")[0])
+    _stage, _, head = name.partition("-h")
+    return int(head) if head else 0
 
 
 class Oracle:
@@ -48,13 +52,14 @@ class Oracle:
 
     @staticmethod
     def slot_value(base: int, engine_salt: int, rank: int) -> int:
+        """`rank` is the global KV head (0 for replicated KV; see `head_of`)."""
         return (base ^ engine_salt ^ (rank * 0x9E3779)) & _MASK
 
     def slot_values(
         self, req_id: str, tokens: Sequence[int], engine_salt: int, rank: int
     ) -> torch.Tensor:
         """`slot_value` of each position of `tokens`, as float32: what the device KV
-        of those positions holds on this engine and rank."""
+        of those positions holds on this engine in KV head `rank` (see `head_of`)."""
         values = self.prefix_values(req_id, tokens)
         cached = self._tensors.get(req_id)
         if cached is None or cached.numel() < len(tokens):
@@ -85,14 +90,16 @@ class Oracle:
         self._tensors.pop(req_id, None)
 
     def check_value(self, key: str, value: bytes) -> str | None:
-        """Whether a store value holds what its shard key stands for."""
-        namespace, _group, block_hex, rank = key.split("/")
+        """Whether a store value holds what its shard key stands for: every slot's K
+        and V in every layer (a whole block of one head, or of a replicated stage)."""
+        namespace, _group, block_hex, shard = key.split("/")
         salt = self._salts.get(namespace)
         base = self._blocks.get(block_hex)
         if salt is None or base is None:
             return "a key the world never made"
         payload = memoryview(value)[value_format.HEADER_BYTES :].cast("f")
-        expected = Counter(float(self.slot_value(b, salt, rank_of(rank))) for b in base)
+        head = head_of(shard)
+        expected = Counter(float(self.slot_value(b, salt, head)) for b in base)
         got = Counter(payload.tolist())
         for v in expected:
             expected[v] *= self.kv_entries_per_slot

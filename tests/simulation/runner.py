@@ -32,11 +32,13 @@ def run_seeds(
             try:
                 world.run()
                 if verbose:
-                    log(f"seed {seed} tp {tp}: {world.summary()}")
+                    log(f"seed {seed} tp {tp} ({world.shape}): {world.summary()}")
             except Violation as e:
                 first = str(e).splitlines()[0]
                 replay = replay_line(seed, steps, tp)
-                line = f"seed {seed} tp {tp}: {first}\n  replay: {replay}"
+                line = (
+                    f"seed {seed} tp {tp} ({world.shape}): {first}\n  replay: {replay}"
+                )
                 log(line)
                 failures.append(line)
             # A world's buffers (tens of MiB a rank) hang in reference cycles, which

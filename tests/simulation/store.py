@@ -66,6 +66,10 @@ class SimBackend:
     faults: StoreFaults
     check_value: Callable[[str, bytes], str | None]
     data: dict[str, bytes] = field(default_factory=dict)
+    # Who put each value (its client's name), and how many values each engine got
+    # from another's puts: (writer engine, reader engine) -> values.
+    writers: dict[str, str] = field(default_factory=dict)
+    cross_reads: dict[tuple[str, str], int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     down: bool = False
     tick: int = 0
@@ -121,12 +125,14 @@ class SimBackend:
             if rng.random() < self.faults.refuse:
                 stored.append(False)
                 continue
-            self.data.setdefault(key, value)
+            if key not in self.data:
+                self.data[key] = value
+                self.writers[key] = client
             stored.append(True)
         return stored
 
     def get_values(
-        self, rng: random.Random, keys: list[str], into: list[list[Span]]
+        self, client: str, rng: random.Random, keys: list[str], into: list[list[Span]]
     ) -> list[bool]:
         """Writes each value held into its spans now; False where none is (or one of
         another length)."""
@@ -145,6 +151,10 @@ class SimBackend:
                 ctypes.memmove(s.address, value[at : at + s.size], s.size)
                 at += s.size
             found.append(True)
+            writer, reader = _engine_of(self.writers[key]), _engine_of(client)
+            if writer != reader:
+                pair = (writer, reader)
+                self.cross_reads[pair] = self.cross_reads.get(pair, 0) + 1
         return found
 
     def wait_for_tick(self, tick: int) -> None:
@@ -284,7 +294,12 @@ class SimStore(RemoteStore):
 
     def _get_now(self, keys: list[str], into: list[list[Span]]) -> list[bool]:
         self._check_registered("get (as it writes)", [s for v in into for s in v])
-        return self.backend.get_values(self._rng, keys, into)
+        return self.backend.get_values(self.name, self._rng, keys, into)
+
+
+def _engine_of(client: str) -> str:
+    """The engine of a client's name (`A2/tp1`, `A2/tp1#2`)."""
+    return client.partition("/")[0]
 
 
 def _inside(span: Span, region: Span) -> bool:

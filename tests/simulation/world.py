@@ -3,7 +3,17 @@
 Engine A, its twin A2 (same fingerprint: they read each other's blocks from the store)
 and B (another fingerprint). Each is vLLM's real `Scheduler` (our scheduler half inside
 it) and one worker half per TP rank, whose reports vLLM's own `KVOutputAggregator`
-joins.
+joins. A and B run at the run's TP size; A2 runs at another one on two seeds of every
+three (`seed % 3 != 2`: the next size of {1, 2, 4} other than A's, alternating every
+three seeds, so that each ordered pair of sizes comes up), at A's on the third. The
+shared store keeps one value per KV head (`kv_shards.py`), so a TP=1 engine reads a
+TP=2 or TP=4 engine's blocks and the reverse.
+
+Each rank's KV cache per layer is vLLM's `[blocks, heads it holds, block size, 2]`:
+the model's 2 KV heads are both on the rank at TP=1, one on each at TP=2, and each held
+by two ranks at TP=4. A slot of KV head g holds the oracle's value for head g (for
+replicated, MLA-style KV, every rank holds head 0's values), so a block joined from the
+wrong heads is a wrong value.
 
 After every step the world checks: no slot read as computed holds a wrong value unless
 vLLM was told to recompute its block; no store value holds another block's bytes; no
@@ -31,7 +41,7 @@ import torch
 
 from tests.simulation.late_copies import CopyFaults, LateCopies
 from tests.simulation.mooncake_client import SimMooncakeStore
-from tests.simulation.oracle import Oracle
+from tests.simulation.oracle import Oracle, head_of
 from tests.simulation.replicated import replicated_kv
 from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 
@@ -41,7 +51,8 @@ DEVICE_BLOCKS = 40
 HOST_BLOCKS = 48
 LAYERS = ("l0", "l1")
 SLOT_BYTES = 2 * 4  # K and V of one head of size 1, float32
-PAGE_BYTES = BLOCK_SIZE * SLOT_BYTES
+PAGE_BYTES = BLOCK_SIZE * SLOT_BYTES  # one KV head of one layer of a block
+TP_SIZES = (1, 2, 4)  # what A2 picks its own TP size from
 PREFIXES = 6  # shared document prefixes
 SETTLE_S = 30.0
 SIM_STORE = "tests.simulation.store:SimStore"
@@ -76,6 +87,9 @@ class _Rank:
     kv: dict[str, torch.Tensor]
     faults: CopyFaults
     copies: LateCopies
+    # The oracle's value index of each KV head in `kv` (dim 1): its global KV head,
+    # 0 for replicated KV.
+    heads: tuple[int, ...]
 
 
 @dataclass
@@ -115,12 +129,16 @@ class World:
         init_none_hash(sha256)
         self.utils = utils
         self.seed, self.tp, self.steps = seed, tp, steps
+        # A2's TP size: another one than A's on two seeds of three (module docstring).
+        others = [t for t in TP_SIZES if t != tp]
+        self.twin_tp = tp if seed % 3 == 2 else others[(seed // 3) % len(others)]
         # Odd seeds run vLLM's async scheduling: a step is scheduled (and its aborts
         # taken) before the last step's output, its reports included, is processed.
         self.async_scheduling = seed % 2 == 1
-        # Every other pair of seeds at TP > 1 runs MLA-style KV: the same on every rank,
-        # in one host region the ranks share (the first rank stores, all load) and one
-        # value per block in the store, named without the rank.
+        # Every other pair of seeds at TP > 1 (A's) runs MLA-style KV: the same on every
+        # rank, in one host region the ranks of an engine at TP > 1 share (the first
+        # rank stores, all load) and one value per block in the store, named without
+        # the rank (A2 may then run at TP=1: the namespace has no TP size).
         self.replicated = tp > 1 and (seed // 2) % 2 == 1
         self.rng = random.Random(seed)
         self.step_no = 0
@@ -133,17 +151,24 @@ class World:
             [self.rng.randrange(1, 5000) for _ in range(BLOCK_SIZE * (1 + i))]
             for i in range(PREFIXES)
         ]
-        # Engine A2 is A's twin (same fingerprint): it reads what A wrote to the store
-        # and the reverse. Engine B differs in what its KV depends on (a config
-        # override): it must never read their blocks, nor they its.
+        # Engine A2 is A's twin (same fingerprint, at `twin_tp`): it reads what A
+        # wrote to the store and the reverse. Engine B differs in what its KV depends
+        # on (a config override): it must never read their blocks, nor they its.
         # A2 reaches the store through the product's Mooncake adapter (over a
         # simulated Mooncake client): its call thread, timeouts, recoveries and
         # registrations run as they do against a real master.
         with replicated_kv(self.replicated):
             self.engines = [
-                self._engine("A", model, None, salt=0x000000),
-                self._engine("A2", model, None, salt=0x000000, store=MOONCAKE_STORE),
-                self._engine("B", model, {"rope_theta": 20000.0}, salt=0x5A5A5A),
+                self._engine("A", model, None, tp, salt=0x000000),
+                self._engine(
+                    "A2",
+                    model,
+                    None,
+                    self.twin_tp,
+                    salt=0x000000,
+                    store=MOONCAKE_STORE,
+                ),
+                self._engine("B", model, {"rope_theta": 20000.0}, tp, salt=0x5A5A5A),
             ]
 
     # ---- building ----
@@ -153,6 +178,7 @@ class World:
         name: str,
         model: str,
         overrides: dict[str, Any] | None,
+        tp: int,
         salt: int,
         store: str = SIM_STORE,
     ) -> Engine:
@@ -166,6 +192,7 @@ class World:
 
         import vllm_cpu_offload.spec as spec_module
         from vllm_cpu_offload.connector import CPUOffloadConnector
+        from vllm_cpu_offload.kv_shards import worker_shards
 
         config = self.utils.create_vllm_config(
             model=model,
@@ -179,7 +206,6 @@ class World:
             kv_connector_module_path="vllm_cpu_offload.connector",
             kv_role="kv_both",
             kv_connector_extra_config={
-                "swap_space_gib": HOST_BLOCKS * PAGE_BYTES * len(LAYERS) / (1 << 30),
                 "remote_url": f"py://{store}?world={self.name}",
                 # What a call held past it costs the simulation in wall time.
                 "remote_timeout_s": 0.05,
@@ -187,10 +213,19 @@ class World:
             },
             kv_load_failure_policy="recompute",
         )
-        config.parallel_config.tensor_parallel_size = self.tp
+        config.parallel_config.tensor_parallel_size = tp
         config.scheduler_config.async_scheduling = self.async_scheduling
+        heads = [_heads_of(worker_shards(config, r, 0)) for r in range(tp)]
+        local_heads = len(heads[0])
+        # HOST_BLOCKS host blocks whatever the TP size: a block is the rank's heads.
+        config.kv_transfer_config.kv_connector_extra_config["swap_space_gib"] = (
+            HOST_BLOCKS * PAGE_BYTES * local_heads * len(LAYERS) / (1 << 30)
+        )
         spec = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+            block_size=BLOCK_SIZE,
+            num_kv_heads=local_heads,
+            head_size=1,
+            dtype=torch.float32,
         )
         kv_config = KVCacheConfig(
             num_blocks=DEVICE_BLOCKS,
@@ -198,13 +233,15 @@ class World:
             kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
         )
         ranks = []
-        for r in range(self.tp):
+        for r in range(tp):
             self.backend.next_client = f"{name}/tp{r}"
             with mock.patch.object(spec_module, "this_ranks", lambda r=r: (r, 0)):
                 worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
-            # vLLM's CPU layout: [blocks, kv heads, block size, 2 * head size].
+            # vLLM's CPU layout: [blocks, kv heads, block size, 2 * head size], the
+            # heads this rank holds.
             kv = {
-                n: torch.full((DEVICE_BLOCKS, 1, BLOCK_SIZE, 2), -1.0) for n in LAYERS
+                n: torch.full((DEVICE_BLOCKS, local_heads, BLOCK_SIZE, 2), -1.0)
+                for n in LAYERS
             }
             worker.register_kv_caches(kv)
             faults = CopyFaults()
@@ -215,12 +252,12 @@ class World:
                 self.backend.spans_in_use,
                 self._violation,
             )
-            ranks.append(_Rank(worker, kv, faults, copies))
+            ranks.append(_Rank(worker, kv, faults, copies, heads[r]))
         self.backend.next_client = f"{name}/scheduler"
         scheduler = self.utils.create_scheduler(
             config, num_blocks=DEVICE_BLOCKS, kv_cache_config=kv_config
         )
-        engine = Engine(name, scheduler, ranks, salt, KVOutputAggregator(self.tp))
+        engine = Engine(name, scheduler, ranks, salt, KVOutputAggregator(tp))
         problem = self.oracle.add_engine(engine.tier.namespace, salt)
         if problem is not None:
             self._violation(problem)
@@ -290,9 +327,9 @@ class World:
         failing = (
             set()
             if mode < 0.85
-            else {rng.randrange(self.tp)}
+            else {rng.randrange(len(engine.ranks))}
             if mode < 0.93
-            else set(range(self.tp))
+            else set(range(len(engine.ranks)))
         )
         for r, rank in enumerate(engine.ranks):
             rank.faults.fail_loads = r in failing and rng.random() < 0.5
@@ -504,10 +541,13 @@ class World:
             done = request.num_computed_tokens - count
             end = done + count
             tokens = self._tokens(engine, request)
-            # Replicated KV: every rank computes rank 0's values.
-            value_rank = 0 if self.replicated else r
-            want = self.oracle.slot_values(
-                req_id, tokens[:end], engine.salt, value_rank
+            # [end, local heads]: each head's values (replicated KV: head 0's).
+            want = torch.stack(
+                [
+                    self.oracle.slot_values(req_id, tokens[:end], engine.salt, head)
+                    for head in engine.ranks[r].heads
+                ],
+                dim=1,
             )
             pos = torch.arange(end)
             blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // BLOCK_SIZE]
@@ -529,9 +569,10 @@ class World:
         wrong: set[int] = set()
         for layer in LAYERS:
             kv = engine.ranks[r].kv[layer]
-            kv[write_blocks, 0, write_offsets] = write_want[:, None]
-            got = kv[read_blocks, 0, read_offsets]
-            bad = (got != read_want[:, None]).any(dim=1)
+            # Indexed by (blocks, offsets) around the heads' slice: [n, heads, 2].
+            kv[write_blocks, :, write_offsets] = write_want[:, :, None]
+            got = kv[read_blocks, :, read_offsets]
+            bad = (got != read_want[:, :, None]).flatten(1).any(dim=1)
             wrong.update(read_blocks[bad].tolist())
         return wrong
 
@@ -574,8 +615,15 @@ class World:
         if self.backend.num_pending():
             raise Violation("store calls left at quiescence")
 
+    @property
+    def shape(self) -> str:
+        """The engines' TP sizes and the KV's kind, e.g. `A tp 2, A2 tp 4, B tp 2`."""
+        sizes = ", ".join(f"{e.name} tp {len(e.ranks)}" for e in self.engines)
+        return f"{sizes}{', replicated KV' if self.replicated else ''}"
+
     def summary(self) -> str:
-        """What the run exercised, summed over the engines."""
+        """What the run exercised, summed over the engines, and the store values each
+        engine got from another's puts."""
         total: dict[str, int] = {}
         for engine in self.engines:
             stats = engine.tier.stats
@@ -590,6 +638,8 @@ class World:
             ):
                 total[name] = total.get(name, 0) + int(getattr(stats, name))
             total["requests"] = total.get("requests", 0) + len(engine.added)
+        reads = self.backend.cross_reads
+        total |= {f"values {w}->{r}": n for (w, r), n in sorted(reads.items())}
         return ", ".join(f"{k} {v}" for k, v in total.items())
 
     def _busy(self, engine: Engine) -> bool:
@@ -652,6 +702,16 @@ class World:
                 engine.scheduler.connector.shutdown()
         self.backend.close()
         BACKENDS.pop(self.name, None)
+
+
+def _heads_of(shards: Any) -> tuple[int, ...]:
+    """The oracle's value index of each KV head a worker holds (`Oracle.slot_value`):
+    the global head of each per-head value, 0 for replicated KV (every rank computes
+    the same), the TP rank for a per-rank value; as `oracle.head_of` reads its shard
+    names."""
+    if shards.per_head:
+        return tuple(head_of(name) for name in shards.names)
+    return (head_of(shards.names[0]),)
 
 
 def _settled(io: Any, store: Any) -> bool:

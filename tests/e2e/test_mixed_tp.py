@@ -1,0 +1,119 @@
+"""Engines of TP=1 and TP=2 share their documents through one Mooncake Store.
+
+Sharded attention is stored one value per KV head under a namespace without the TP
+size (`kv_shards.py`): a TP=2 engine writes each block as its ranks' heads, and a
+TP=1 engine reads them, joined in host memory; a TP=1 engine's blocks are read by
+each rank of a TP=2 engine, its own heads cut out. Real `vllm serve` processes, fp32,
+greedy, one request at a time:
+
+1. server A, TP=2, reads documents D1 (written through);
+2. server B, TP=1, reads D1 (from the store: A's blocks) and D2 (written through);
+3. server C, TP=2, reads D2 (from the store: B's blocks).
+
+Each reader's answer is compared with what that engine computes itself: the same
+tokens under another `cache_salt` (other block hashes, so nothing is shared), read
+twice and answered the second time from its own cache. That is a server without the
+flags' answer (test_flags_off and test_bf16_exact: the flags change no computed token),
+and, as in test_shared_tier, the reference for a prefix that comes from a cache.
+KV computed at another TP size differs in its last bits (the ranks' partial sums are
+added in another order). In fp32 that leaves every greedy token as the reader computes
+it, so a head cut or joined wrong (other bytes, not other rounding) is what would fail
+here. In bf16 the rounding alone flips tokens of this random-weight model as often as
+engines of the two sizes disagree without the flags at all:
+benchmarks/mixed_tp_agreement.py measures both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.servers import RunningServer, running_server
+from tests.e2e.test_serving_load import OFFLOAD, complete, idle, settled_metrics
+from tests.e2e.test_shared_tier import (
+    BLOCKS,
+    HITS,
+    MOONCAKE_ENV,
+    all_written,
+    cached_tokens,
+    documents,
+    server_flags,
+    stepped_until,
+    text,
+)
+from vllm_cpu_offload.testing.store_servers import MooncakeServers, ServerUnavailable
+
+pytestmark = pytest.mark.e2e
+
+DOCS = 2
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator[MooncakeServers]:
+    try:
+        servers = MooncakeServers().start()
+    except ServerUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+def _server(model: str, url: str, tp: int) -> Iterator[RunningServer]:
+    flags = server_flags(url)
+    env = dict(MOONCAKE_ENV)
+    if tp > 1:
+        flags += ["--tensor-parallel-size", str(tp)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    return running_server(model, flags, env=env)
+
+
+def _own_answers(server: RunningServer, docs: list[str]) -> list[dict]:
+    """The server's answers to `docs` from its own cache, under a salt no other read
+    uses."""
+    for d in docs:
+        complete(server, d, cache_salt="own")
+    return [complete(server, d, cache_salt="own") for d in docs]
+
+
+def _write(server: RunningServer, docs: list[str], writes: int) -> None:
+    """Reads `docs`, and returns once the server's workers reported `writes` blocks
+    written (each rank counts the blocks it wrote its heads of)."""
+    for d in docs:
+        complete(server, d)
+    stepped_until(server, all_written(writes))
+
+
+def _read(server: RunningServer, docs: list[str]) -> tuple[list[dict], float]:
+    """The answers to `docs` read (from the store), and the tokens the store gave."""
+    before = settled_metrics(server.url, until=idle)
+    again = [complete(server, d) for d in docs]
+    after = settled_metrics(server.url, until=idle)
+    assert after[OFFLOAD + "remote_rejected_blocks_total"] == 0
+    hits = after[OFFLOAD + "remote_hit_tokens_total"]
+    return again, hits - before[OFFLOAD + "remote_hit_tokens_total"]
+
+
+def test_tp1_and_tp2_engines_read_each_others_documents(
+    tiny_model: str, mooncake: MooncakeServers
+) -> None:
+    d1 = documents(53, DOCS)[0]
+    d2 = documents(59, DOCS)[0]
+    with _server(tiny_model, mooncake.url, tp=2) as a:
+        _write(a, d1, writes=2 * DOCS * (BLOCKS - 1))  # both ranks, a head each
+    with _server(tiny_model, mooncake.url, tp=1) as b:
+        own_d1 = _own_answers(b, d1)
+        from_tp2, hits = _read(b, d1)
+        # One rank writes both heads of D2's blocks and of its salted reads of D1.
+        _write(b, d2, writes=2 * DOCS * (BLOCKS - 1))
+    assert hits >= DOCS * HITS
+    assert all(cached_tokens(r) >= HITS for r in from_tp2)
+    assert [text(r) for r in from_tp2] == [text(r) for r in own_d1]
+    with _server(tiny_model, mooncake.url, tp=2) as c:
+        own_d2 = _own_answers(c, d2)
+        from_tp1, hits = _read(c, d2)
+    assert hits >= DOCS * HITS
+    assert all(cached_tokens(r) >= HITS for r in from_tp1)
+    assert [text(r) for r in from_tp1] == [text(r) for r in own_d2]
