@@ -21,7 +21,7 @@ HEADS = 4
 def _caches(
     layout_name: str, heads: int, kernel_block_size: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """vLLM's views of `LAYERS` layers of `heads` KV heads, in `layout_name`, zeroed."""
+    """The views vLLM builds of `LAYERS` layers of `heads` KV heads in `layout_name`."""
     spec = vllm_kv.FullAttentionSpec(
         block_size=16, num_kv_heads=heads, head_size=8, dtype=torch.bfloat16
     )
