@@ -41,6 +41,11 @@ DEFAULT_REMOTE_TIMEOUT_S = 2.0
 # docs/design.md, "Loads that span steps".
 DEFAULT_ASYNC_LOAD_TOKENS = 4096
 
+# Requests' `retain` hints keep at most this share of the host tier from eviction
+# (scheduler/retention.py), each for at most `max_retain_s` seconds.
+DEFAULT_RETAIN_SHARE = 0.5
+DEFAULT_MAX_RETAIN_S = 3600.0
+
 
 def names_our_connector(kv_transfer_config: Any) -> bool:
     """Whether a vLLM `kv_transfer_config` (or None) selects this connector."""
@@ -72,6 +77,9 @@ class OffloadConfig:
             while other requests run, as a shared store's hits do: the request waits in
             vLLM's waiting-for-remote-KV state, the others go on; 0: every host hit
             loads inside its step.
+        retain_share: the share of the host tier that requests' `retain` hints may
+            keep from eviction (0: hints to retain are ignored).
+        max_retain_s: the longest a `retain` hint keeps blocks, in seconds.
 
     """
 
@@ -83,6 +91,8 @@ class OffloadConfig:
     remote_url: str | None = None
     remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S
     async_load_tokens: int = DEFAULT_ASYNC_LOAD_TOKENS
+    retain_share: float = DEFAULT_RETAIN_SHARE
+    max_retain_s: float = DEFAULT_MAX_RETAIN_S
 
     @property
     def swap_space_bytes(self) -> int:
@@ -104,6 +114,10 @@ class OffloadConfig:
             extra["remote_timeout_s"] = self.remote_timeout_s
         if self.async_load_tokens != DEFAULT_ASYNC_LOAD_TOKENS:
             extra["async_load_tokens"] = self.async_load_tokens
+        if self.retain_share != DEFAULT_RETAIN_SHARE:
+            extra["retain_share"] = self.retain_share
+        if self.max_retain_s != DEFAULT_MAX_RETAIN_S:
+            extra["max_retain_s"] = self.max_retain_s
         return extra
 
     def blocks_per_host_block(self, block_size: int) -> int:
@@ -133,6 +147,8 @@ class OffloadConfig:
             "remote_url",
             "remote_timeout_s",
             "async_load_tokens",
+            "retain_share",
+            "max_retain_s",
         )
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
@@ -161,6 +177,9 @@ class OffloadConfig:
         timeout = extra.get("remote_timeout_s", DEFAULT_REMOTE_TIMEOUT_S)
         threshold = extra.get("async_load_tokens", DEFAULT_ASYNC_LOAD_TOKENS)
         _check_numbers(size, url, timeout, threshold)
+        share = extra.get("retain_share", DEFAULT_RETAIN_SHARE)
+        longest = extra.get("max_retain_s", DEFAULT_MAX_RETAIN_S)
+        _check_retention(share, longest)
         return cls(
             swap_space_gib=swap,
             eviction_policy=policy,
@@ -170,6 +189,30 @@ class OffloadConfig:
             remote_url=url,
             remote_timeout_s=float(timeout),
             async_load_tokens=threshold,
+            retain_share=float(share),
+            max_retain_s=float(longest),
+        )
+
+
+def _is_number(value: object) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+    )
+
+
+def _check_retention(share: object, longest: object) -> None:
+    """`retain_share` and `max_retain_s`, refused with the fix when out of range."""
+    if not _is_number(share) or not 0 <= share <= 1:  # type: ignore[operator]
+        raise OffloadConfigError(
+            "retain_share must be a share of the host tier from 0 to 1 (e.g. 0.5), "
+            f"got {share!r}"
+        )
+    if not _is_number(longest) or longest <= 0:  # type: ignore[operator]
+        raise OffloadConfigError(
+            "max_retain_s must be a positive number of seconds (e.g. 600), got "
+            f"{longest!r}"
         )
 
 

@@ -69,6 +69,9 @@ COUNTERS = {
     "remote_bytes_out": "Bytes of KV written to the shared store.",
     "remote_fetch_seconds": "Seconds the workers waited on fetches from the store.",
     "remote_fetch_calls": "Batched fetch calls to the shared store.",
+    # Requests' hints (kv_transfer_params).
+    "retained_hit_blocks": "Retained blocks a later request read.",
+    "retains_expired_unread": "Retains whose time passed before any request read them.",
 }
 # stats key -> help text; counters named PREFIX + "group_" + key, with a
 # `kv_cache_group` label. In the stats payload their increments travel
@@ -81,13 +84,14 @@ GROUP_LABEL = "kv_cache_group"
 # stats key -> help text; gauges keep the latest value.
 GAUGES = {
     "host_usage_perc": "Fraction of the host tier's blocks in use (0-1).",
+    "retained_blocks": "Host blocks that requests' retain hints keep from eviction.",
 }
 
 _SCHEDULER_COUNTERS = (
     "lookup_tokens", "hit_tokens", "async_hit_tokens", "stored_blocks", "loaded_blocks",
     "evicted_blocks",
     "remote_lookup_tokens", "remote_hit_tokens", "remote_fetched_blocks",
-    "remote_missed_blocks",
+    "remote_missed_blocks", "retained_hit_blocks", "retains_expired_unread",
 )  # fmt: skip
 
 
@@ -136,6 +140,7 @@ class SchedulerStatsReporter:
         }
         self._last = now
         data["host_usage_perc"] = usage
+        data["retained_blocks"] = stats.retained_blocks
         return OffloadStats(data=data)
 
 

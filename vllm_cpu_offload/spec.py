@@ -167,6 +167,8 @@ class OffloadSpec:
             remote=self._remote_lookup(),
             namespace=self.namespace,
             async_load_tokens=config.async_load_tokens,
+            retain_blocks=int(config.retain_share * self.num_host_blocks),
+            max_retain_s=config.max_retain_s,
         )
 
     def build_worker(self) -> HostTierWorker:

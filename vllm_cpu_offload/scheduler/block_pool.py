@@ -18,37 +18,14 @@ Every operation is O(1) per block it names (dict look-ups and intrusive lists), 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol, cast
+from typing import cast
 
 from .policies.base import BlockKey, BlockState, EvictionPolicy, HostBlock
+from .pool_events import PersistenceListener, PoolEvent
 
 __all__ = ["BlockKey", "BlockState", "HostBlockPool", "PoolEvent"]
-
-
-@dataclass(frozen=True, slots=True)
-class PoolEvent:
-    """Keys that became visible ("stored") or left the pool ("evicted"), in order.
-
-    `detail` is what the caller of `complete_store` passed along for the event,
-    untouched.
-    """
-
-    kind: Literal["stored", "evicted"]
-    keys: tuple[BlockKey, ...]
-    detail: object = None
-
-
-class PersistenceListener(Protocol):
-    """What a persisted index (persist/block_index.py) hears of the pool: blocks that
-    became visible, in chain order, and blocks about to be reused."""
-
-    def record(
-        self, entries: Sequence[tuple[int, BlockKey, BlockKey | None]]
-    ) -> None: ...
-
-    def clear(self, host_id: int) -> None: ...
 
 
 class HostBlockPool:
@@ -76,6 +53,8 @@ class HostBlockPool:
         # Told of every block that becomes READY and of every block released, before its
         # id can be handed out again: what a restarted engine may serve.
         self._persistence = persistence
+        # Blocks of sessions that ended (`demote`), evicted before the policy's victims.
+        self._doomed: OrderedDict[int, BlockKey] = OrderedDict()
 
     # ----- sizes -----
 
@@ -131,6 +110,8 @@ class HostBlockPool:
         if hits:
             hits.reverse()
             self.policy.on_access(hits)
+            if self._doomed:
+                self._spare(hits)
         return len(hits)
 
     def touch(self, keys: Sequence[BlockKey], *, by_device: bool = False) -> None:
@@ -152,6 +133,16 @@ class HostBlockPool:
                 self.policy.on_device_hit(used)
             else:
                 self.policy.on_access(used)
+            if self._doomed:
+                self._spare(used)
+
+    def demote(self, keys: Sequence[BlockKey]) -> None:
+        """Marks the blocks of `keys` to go before any other (their session ended),
+        unless a read uses them first. O(len(keys))."""
+        for key in keys:
+            block = self._by_key.get(key)
+            if block is not None:
+                self._doomed[block.block_id] = key
 
     def pin(self, keys: Sequence[BlockKey]) -> list[int]:
         """Pins READY blocks for a load; returns their host block ids in order.
@@ -442,8 +433,21 @@ class HostBlockPool:
         parent.first_child = block
         parent.num_children += 1
 
+    def _spare(self, used: Sequence[HostBlock]) -> None:
+        """Read again: no longer doomed."""
+        for block in used:
+            self._doomed.pop(block.block_id, None)
+
     def _evict_one(self, evicted: list[BlockKey]) -> bool:
-        """Frees the policy's next victim; False if it has none."""
+        """Frees a doomed block, else the policy's next victim; False if neither."""
+        while self._doomed:
+            block_id, key = self._doomed.popitem(last=False)
+            block = self._blocks[block_id]
+            if block.key == key and block.evictable:  # still that block, unused
+                self.policy.on_remove(block)
+                evicted.append(key)
+                self._release(block)
+                return True
         victim = self.policy.pop_victim()
         if victim is None:
             return False
@@ -457,6 +461,7 @@ class HostBlockPool:
     def _release(self, block: HostBlock) -> None:
         """Frees a block the policy no longer lists; its children become orphans."""
         assert block.pin_count == 0 and block.owner is None
+        self._doomed.pop(block.block_id, None)
         if self._persistence is not None:
             self._persistence.clear(block.block_id)
         del self._by_key[block.key]

@@ -14,7 +14,9 @@ from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState
 from vllm_cpu_offload.scheduler.kv_groups import KVGroup, longest_hit
 from vllm_cpu_offload.scheduler.manager import HostTierManager
+from vllm_cpu_offload.scheduler.request_hints import hints_of
 from vllm_cpu_offload.scheduler.request_state import JobInFlight, RequestState
+from vllm_cpu_offload.scheduler.retention import Retention
 from vllm_cpu_offload.scheduler.shared_tier import NoSharedTier
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
@@ -32,6 +34,8 @@ class LoadPlanning:
     blocks_per_host_block: int
     groups: tuple[KVGroup, ...]
     async_load_tokens: int
+    retention: Retention
+    max_retain_s: float
     _single_full_group: bool
     _null_block_id: int
     _requests: dict[str, RequestState]
@@ -196,9 +200,9 @@ class LoadPlanning:
         if first:
             # Device hits are uses of the host copies too: the policy keeps
             # the chain warm.
-            self.pool.touch(
-                self._needed_keys(hashes, 0, first // k * k), by_device=True
-            )
+            used = self._needed_keys(hashes, 0, first // k * k)
+            self.pool.touch(used, by_device=True)
+            self.retention.read(used)
         if num_external_tokens == 0:
             return
         if state.remote_hit is not None or state.async_host:
@@ -216,7 +220,9 @@ class LoadPlanning:
         device_ids: list[int] = []
         slots: list[int] = []
         loaded = self.stats.loaded_by_group
-        for host_id, (group_id, span) in zip(self.pool.pin(keys), spans, strict=True):
+        host_ids = self.pool.pin(keys)
+        self.retention.read(keys)  # pinned by the load now
+        for host_id, (group_id, span) in zip(host_ids, spans, strict=True):
             loaded[group_id] += len(span)
             ids = device_block_ids[group_id]
             device_ids += [ids[j] for j in span]
@@ -275,6 +281,7 @@ class LoadPlanning:
         in_pool = [state_of(key) is ready for key in keys]
         host_keys = [key for key, held in zip(keys, in_pool, strict=True) if held]
         host_ids = iter(self.pool.pin(host_keys))
+        self.retention.read(host_keys)
         wanted = [
             (key, span)
             for key, span, held in zip(keys, spans, in_pool, strict=True)
@@ -397,7 +404,9 @@ class LoadPlanning:
     def _state(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = RequestState(request)
+            hints = hints_of(request, max_retain_s=self.max_retain_s)
+            state = RequestState(request, hints)
+            self._requests[request.request_id] = state
         return state
 
     def _keys(

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey
+from vllm_cpu_offload.scheduler.request_hints import NO_HINTS, RequestHints
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class JobInFlight:
 @dataclass
 class RequestState:
     request: Request
+    # What its client said of its KV (`kv_transfer_params`).
+    hints: RequestHints = NO_HINTS
     # Blocks [0, planned_upto) were stored, are being stored, or were skipped.
     planned_upto: int = 0
     # (first block, blocks) of the last lookup, for the load plan after allocation.

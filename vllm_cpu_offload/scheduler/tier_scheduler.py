@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer
+from vllm_cpu_offload.config import DEFAULT_MAX_RETAIN_S
 from vllm_cpu_offload.metadata import (
     OffloadStepMetadata,
     OffloadWorkerReport,
@@ -54,6 +55,7 @@ from vllm_cpu_offload.scheduler.load_planning import LoadPlanning
 from vllm_cpu_offload.scheduler.manager import HostTierManager
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.scheduler.request_state import JobInFlight, RequestState
+from vllm_cpu_offload.scheduler.retention import Retention
 from vllm_cpu_offload.scheduler.shared_tier import RemoteTierEvent, shared_tier_of
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks, stored_runs
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
@@ -82,6 +84,8 @@ class HostTierScheduler(LoadPlanning):
         remote: RemoteLookup | None = None,
         namespace: str = "",
         async_load_tokens: int = 0,
+        retain_blocks: int = 0,
+        max_retain_s: float = DEFAULT_MAX_RETAIN_S,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -130,6 +134,10 @@ class HostTierScheduler(LoadPlanning):
         # Finished requests whose device blocks wait for these store jobs, not yet
         # handed to the workers (that happens in the next step's metadata).
         self._awaiting_stores: dict[str, set[int]] = {}
+        # Requests' hints (`request_hints.py`): at most `retain_blocks` blocks kept
+        # from eviction for clients that will read them again.
+        self.retention = Retention(pool, retain_blocks, self.stats)
+        self.max_retain_s = max_retain_s
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -146,6 +154,7 @@ class HostTierScheduler(LoadPlanning):
     ) -> OffloadStepMetadata:
         """This step's loads, and stores for the blocks that become full during the
         step."""
+        self.retention.expire()
         meta = OffloadStepMetadata(
             loads=self._step_loads,
             delayed_free_req_ids=list(self._awaiting_stores),
@@ -184,6 +193,9 @@ class HostTierScheduler(LoadPlanning):
             )
             // k
         )
+        limit = state.hints.max_offload_tokens
+        if limit is not None:  # the client's cap: the first `limit` tokens at most
+            full_hbs = min(full_hbs, limit // self.block_size // k)
         first_hb = state.planned_upto // k  # planned_upto is a host block boundary
         if full_hbs <= first_hb:
             return None
@@ -314,6 +326,7 @@ class HostTierScheduler(LoadPlanning):
                     state.load_failed = True
             return
         self.shared.store_completed(job_id, job.keys, job.stored, success)
+        self.retention.stored(job.keys, success)
         if success:
             self.stats.stored_blocks += len(job.keys) * self.blocks_per_host_block
             stored = self.stats.stored_by_group
@@ -338,6 +351,8 @@ class HostTierScheduler(LoadPlanning):
         them (`handle_preemptions`) before its blocks could be reused.
         """
         state = self._requests.pop(request.request_id, None)
+        if state is not None and state.hints.any:
+            self._finish_hints(state)
         if state is None or not state.store_jobs:
             return False
         if state.async_job in self._jobs:
@@ -345,7 +360,26 @@ class HostTierScheduler(LoadPlanning):
         self._awaiting_stores[request.request_id] = state.store_jobs
         return True
 
+    def _finish_hints(self, state: RequestState) -> None:
+        """A finished request's `done` or `retain`, over its blocks the pool holds,
+        block by block in prefix order (every group's key of a block together)."""
+        request, hints = state.request, state.hints
+        hashes = request.block_hashes
+        keys = [
+            key
+            for hb in range(len(hashes) // self.blocks_per_host_block)
+            for group in self.groups
+            for key in self._keys(group.group_id, hashes, hb, hb + 1)
+        ]
+        if hints.done:
+            self.retention.forget(keys)
+            self.pool.demote(keys)
+        elif hints.retain_s is not None and self.retention.budget:
+            tenant = getattr(request, "cache_salt", None)
+            self.retention.retain(keys, tenant, hints.retain_s)
+
     def reset_cache(self) -> bool:
+        self.retention.release_all()
         self.pool.reset()
         return True
 

@@ -29,6 +29,11 @@ class TierStats:
     remote_fetched_blocks: int = 0
     remote_missed_blocks: int = 0
     remote_lookup_failures: int = 0
+    # Requests' `retain` hints: blocks kept from eviction now; retained blocks a later
+    # request read (hits), counted once per retain; retains whose time passed unread.
+    retained_blocks: int = 0
+    retained_hit_blocks: int = 0
+    retains_expired_unread: int = 0
     # Device blocks stored / loaded per KV cache group (vLLM's hybrid
     # manager has several).
     stored_by_group: Counter[int] = field(default_factory=Counter)

@@ -1,0 +1,84 @@
+"""What a client says of a request's KV, in its `kv_transfer_params`.
+
+vLLM carries per-request connector parameters from the OpenAI API (the body's
+`kv_transfer_params`, `extra_body` in the `openai` client) and from `LLM`
+(`SamplingParams(extra_args={"kv_transfer_params": ...})`) to the connector. The host
+tier reads:
+
+    max_offload_tokens  int >= 0      store at most this many of the request's first
+                                      tokens (0: none); as vLLM's own offloading
+    retain              true | s > 0  the prefix will be read again (the next turn, the
+                                      agent's next step): keep its blocks from
+                                      eviction until then, or for s seconds
+    done                true          the session ended: its blocks go first
+
+A hint of the wrong type or range is ignored with one warning for the request, never
+an error; a request without hints is served as if hints did not exist. Other keys
+belong to other connectors and are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# `retain: true`: how long the tier keeps the prefix for a client that names no time.
+DEFAULT_RETAIN_S = 300.0
+
+
+@dataclass(frozen=True)
+class RequestHints:
+    """A request's hints; every field None or False where the client said nothing."""
+
+    max_offload_tokens: int | None = None
+    # Seconds to keep the request's blocks from eviction once it finishes.
+    retain_s: float | None = None
+    done: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self != NO_HINTS
+
+
+NO_HINTS = RequestHints()
+
+
+def hints_of(request: Any, *, max_retain_s: float) -> RequestHints:
+    """The hints in `request.kv_transfer_params`; bad ones dropped with one warning
+    naming them (`retain` is capped at `max_retain_s`)."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not params or not isinstance(params, dict):
+        return NO_HINTS
+    bad: list[str] = []
+    max_tokens = params.get("max_offload_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
+        bad.append(f"max_offload_tokens={max_tokens!r} (an int >= 0)")
+        max_tokens = None
+    retain_s = _retain_seconds(params.get("retain"), bad)
+    done = params.get("done", False)
+    if done not in (True, False):
+        bad.append(f"done={done!r} (true or false)")
+        done = False
+    if bad:
+        logger.warning(
+            "request %s: ignoring CPU offload hint %s",
+            getattr(request, "request_id", "?"),
+            "; ".join(bad),
+        )
+    if retain_s is not None:
+        retain_s = min(retain_s, max_retain_s)
+    return RequestHints(max_tokens, retain_s, bool(done))
+
+
+def _retain_seconds(value: Any, bad: list[str]) -> float | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DEFAULT_RETAIN_S
+    if type(value) in (int, float) and value > 0:
+        return float(value)
+    bad.append(f"retain={value!r} (true, or seconds > 0)")
+    return None
