@@ -1,0 +1,234 @@
+"""Per-request hints: parsed from `kv_transfer_params` (a bad one is a warning), and
+what each does to the host tier: `max_offload_tokens` caps the stores, `retain` keeps a
+prefix from eviction within a fair, bounded share until read or expired, `done` makes a
+session's blocks go first."""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import pytest
+
+from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool
+from vllm_cpu_offload.scheduler.policies import make_policy
+from vllm_cpu_offload.scheduler.request_hints import (
+    DEFAULT_RETAIN_S,
+    NO_HINTS,
+    RequestHints,
+    hints_of,
+)
+from vllm_cpu_offload.scheduler.retention import Retention
+from vllm_cpu_offload.scheduler.tier_stats import TierStats
+
+
+def _hints(params: Any, max_retain_s: float = 600.0) -> RequestHints:
+    request = types.SimpleNamespace(request_id="r1", kv_transfer_params=params)
+    return hints_of(request, max_retain_s=max_retain_s)
+
+
+# ---- parsing ----
+
+
+def test_hints_are_read_from_kv_transfer_params() -> None:
+    assert _hints(None) == NO_HINTS and not NO_HINTS.any
+    assert _hints({"max_offload_tokens": 0}) == RequestHints(max_offload_tokens=0)
+    assert _hints({"retain": 30}) == RequestHints(retain_s=30.0)
+    assert _hints({"retain": True}).retain_s == DEFAULT_RETAIN_S
+    assert _hints({"retain": 1e9}, max_retain_s=60).retain_s == 60
+    assert _hints({"done": True}) == RequestHints(done=True)
+    # Other connectors' parameters are theirs: no hint, no warning.
+    assert _hints({"do_remote_prefill": True}) == NO_HINTS
+
+
+def test_a_bad_hint_is_ignored_with_one_warning_naming_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    params = {"max_offload_tokens": -1, "retain": "soon", "done": "yes"}
+    with caplog.at_level(logging.WARNING):
+        assert _hints(params) == NO_HINTS
+        assert _hints({"retain": 20, "max_offload_tokens": 1.5}).retain_s == 20
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "r1" in first and "max_offload_tokens=-1" in first
+    assert "retain='soon'" in first and "done='yes'" in first
+    assert "max_offload_tokens=1.5" in second
+
+
+# ---- retention over the real pool ----
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pool(blocks: int = 8) -> HostBlockPool:
+    return HostBlockPool(blocks, make_policy("lru", blocks))
+
+
+def _store(pool: HostBlockPool, name: str, n: int, ready: bool = True) -> list:
+    """A chain of `n` blocks named `name`, stored (READY) or being stored."""
+    keys = [(0, f"{name}{i}") for i in range(n)]
+    got = pool.allocate_for_store(keys, None)
+    assert len(got) == n, "the pool had no room"
+    if ready:
+        pool.complete_store(keys, True)
+    return keys
+
+
+def _retention(pool: HostBlockPool, budget: int) -> tuple[Retention, Clock]:
+    clock = Clock()
+    return Retention(pool, budget, TierStats(block_bytes=1), clock=clock), clock
+
+
+def test_retained_blocks_outlive_pressure_until_read() -> None:
+    pool = _pool()
+    retention, _ = _retention(pool, budget=4)
+    kept = _store(pool, "a", 3)
+    retention.retain(kept, None, 60)
+    for name in "bcdef":  # five more chains of two blocks through a pool of eight
+        _store(pool, name, 2)
+    assert all(pool.state_of(k) is BlockState.READY for k in kept)
+    assert retention.stats.retained_blocks == 3
+    retention.read(kept[:2])  # a later request's hit fulfils the retain
+    assert retention.stats.retained_hit_blocks == 2
+    assert retention.stats.retained_blocks == pool.num_pinned == 0
+    _store(pool, "g", 8)  # evictable again, like any used block
+    assert not any(k in pool for k in kept)
+    retention.check_invariants()
+    pool.check_invariants()
+
+
+def test_a_retain_ends_when_its_time_passes_counted_unread() -> None:
+    pool = _pool()
+    retention, clock = _retention(pool, budget=4)
+    retention.retain(_store(pool, "a", 2), None, 10)
+    clock.now = 9.9
+    retention.expire()
+    assert pool.num_pinned == 2
+    clock.now = 10.0
+    retention.expire()
+    assert pool.num_pinned == 0
+    assert retention.stats.retains_expired_unread == 1
+    assert retention.stats.retained_blocks == 0
+
+
+def test_tenants_share_the_budget_fairly() -> None:
+    pool = _pool(16)
+    retention, _ = _retention(pool, budget=4)
+    x1, x2 = _store(pool, "x", 2), _store(pool, "xx", 2)
+    retention.retain(x1, "x", 60)
+    retention.retain(x2, "x", 60)  # x holds the whole budget: no one else asks
+    assert retention.stats.retained_blocks == 4
+    y = _store(pool, "y", 2)
+    retention.retain(y, "y", 60)  # under its fair share (2): takes x's oldest
+    assert pool.state_of(x1[0]) is BlockState.READY and not _pinned(pool, x1)
+    assert _pinned(pool, x2) and _pinned(pool, y)
+    x3 = _store(pool, "xxx", 2)
+    retention.retain(x3, "x", 60)  # x at its fair share gives up its own oldest
+    assert _pinned(pool, x3) and _pinned(pool, y) and not _pinned(pool, x2)
+    z = _store(pool, "z", 4)
+    retention.retain(z, "z", 60)  # a newcomer past its share (4 // 3) gets that
+    assert retention.stats.retained_blocks <= 4
+    assert _pinned(pool, z[:1]) and not _pinned(pool, z[1:])
+    retention.check_invariants()
+
+
+def test_blocks_still_storing_are_kept_once_stored_or_dropped_if_it_failed() -> None:
+    pool = _pool()
+    retention, _ = _retention(pool, budget=8)
+    good, bad = _store(pool, "g", 2, ready=False), _store(pool, "b", 2, ready=False)
+    retention.retain(good + bad, None, 60)
+    assert pool.num_pinned == 0 and retention.stats.retained_blocks == 4
+    pool.complete_store(good, True)
+    retention.stored(good, True)
+    pool.complete_store(bad, False)
+    retention.stored(bad, False)
+    assert _pinned(pool, good) and retention.stats.retained_blocks == 2
+    retention.check_invariants()
+    pool.check_invariants()
+
+
+def test_done_blocks_go_first_unless_read_again() -> None:
+    pool = _pool(6)
+    old, done = _store(pool, "old", 2), _store(pool, "done", 2)
+    read_again = _store(pool, "again", 2)
+    pool.demote(done + read_again)
+    assert pool.count_hits(read_again) == 2  # used after all: no longer doomed
+    _store(pool, "new", 2)  # room for two: the done session's blocks go
+    assert not any(k in pool for k in done)
+    assert all(k in pool for k in old + read_again)
+    _store(pool, "newer", 2)  # then the policy's own order (LRU: old)
+    assert not any(k in pool for k in old)
+    pool.check_invariants()
+
+
+def _pinned(pool: HostBlockPool, keys: list) -> bool:
+    return all(pool._by_key[k].pin_count > 0 for k in keys)
+
+
+# ---- through the scheduler half, with vLLM's Request and KV manager ----
+
+vllm = pytest.importorskip("vllm")
+
+from tests.unit.test_tier_scheduler import HASHER, Engine, _prefill  # noqa: E402
+
+
+def _request(req_id: str, tokens: list[int], salt: str | None = None, **hints: Any):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": hints})
+    return Request(req_id, tokens, params, None, block_hasher=HASHER, cache_salt=salt)
+
+
+def _finish(engine: Engine, request: Any) -> None:
+    """Prefill, report its stores, finish it."""
+    meta = _prefill(engine, request)
+    engine.report(*(s.job_id for s in meta.stores))
+    engine.tier.request_finished(request)
+
+
+def test_max_offload_tokens_caps_what_a_request_stores() -> None:
+    engine = Engine(host_blocks=8)
+    capped = _request("a", list(range(13)), max_offload_tokens=5)
+    (store,) = _prefill(engine, capped).stores
+    assert len(store.host_block_ids) == 1  # 5 tokens: one whole 4-token block
+    none = _request("b", list(range(100, 113)), max_offload_tokens=0)
+    assert not _prefill(engine, none).stores
+
+
+def test_a_retained_prefix_survives_a_flood_and_is_read_again() -> None:
+    engine = Engine(host_blocks=8)
+    engine.tier.retention.budget = 4
+    turn1 = _request("t1", list(range(13)), retain=60)
+    _finish(engine, turn1)
+    assert engine.tier.stats.retained_blocks == 3
+    for i in range(4):  # one-off documents of three blocks each
+        _finish(
+            engine,
+            _request(f"doc{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 13))),
+        )
+    engine.kv.reset_prefix_cache()  # the device keeps nothing
+    turn2 = _request("t2", list(range(13)) + [77, 78, 79])
+    assert engine.admit(turn2) == 12  # every block of turn 1 from host memory
+    assert engine.tier.stats.retained_hit_blocks == 3
+    assert engine.tier.stats.retained_blocks == 0
+
+
+def test_without_the_retain_the_flood_evicts_the_prefix() -> None:
+    # The control of the test above: the same flood, no hint.
+    engine = Engine(host_blocks=8)
+    engine.tier.retention.budget = 4
+    _finish(engine, _request("t1", list(range(13))))
+    for i in range(4):
+        _finish(
+            engine,
+            _request(f"doc{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 13))),
+        )
+    engine.kv.reset_prefix_cache()
+    assert engine.admit(_request("t2", list(range(13)) + [77, 78, 79])) == 0
