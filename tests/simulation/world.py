@@ -3,11 +3,14 @@
 Engine A, its twin A2 (same fingerprint: they read each other's blocks from the store)
 and B (another fingerprint). Each is vLLM's real `Scheduler` (our scheduler half inside
 it) and one worker half per TP rank, whose reports vLLM's own `KVOutputAggregator`
-joins. A and B run at the run's TP size; A2 runs at another one on two seeds of every
-three (`seed % 3 != 2`: the next size of {1, 2, 4} other than A's, alternating every
-three seeds, so that each ordered pair of sizes comes up), at A's on the third. The
-shared store keeps one value per KV head (`kv_shards.py`), so a TP=1 engine reads a
-TP=2 or TP=4 engine's blocks and the reverse.
+joins. A and B run at the run's TP size (`--tp`); A2 runs at another size of
+{1, 2, 4} on two seeds of every three (`seed % 3 != 2`; of the two other sizes, the
+larger on seeds 0-2, 6-8, ..., the smaller on seeds 3-5, 9-11, ...: seeds 0-5 at TP 1,
+2 and 4 pair every size with every other both ways, and seed 3, MLA-style, has A2 at
+TP=1), and at A's size on the third (`World.twin_tp`). The shared store keeps one
+value per KV head (`kv_shards.py`) under a namespace without the TP size, so a TP=1
+engine reads a TP=2 or TP=4 engine's blocks and the reverse; the replay line needs no
+more than the seed and A's TP size.
 
 Each rank's KV cache per layer is vLLM's `[blocks, heads it holds, block size, 2]`:
 the model's 2 KV heads are both on the rank at TP=1, one on each at TP=2, and each held
@@ -131,7 +134,7 @@ class World:
         self.seed, self.tp, self.steps = seed, tp, steps
         # A2's TP size: another one than A's on two seeds of three (module docstring).
         others = [t for t in TP_SIZES if t != tp]
-        self.twin_tp = tp if seed % 3 == 2 else others[(seed // 3) % len(others)]
+        self.twin_tp = tp if seed % 3 == 2 else others[(seed // 3 + 1) % len(others)]
         # Odd seeds run vLLM's async scheduling: a step is scheduled (and its aborts
         # taken) before the last step's output, its reports included, is processed.
         self.async_scheduling = seed % 2 == 1
@@ -709,9 +712,7 @@ def _heads_of(shards: Any) -> tuple[int, ...]:
     the global head of each per-head value, 0 for replicated KV (every rank computes
     the same), the TP rank for a per-rank value; as `oracle.head_of` reads its shard
     names."""
-    if shards.per_head:
-        return tuple(head_of(name) for name in shards.names)
-    return (head_of(shards.names[0]),)
+    return tuple(head_of(name) for name in shards.names)
 
 
 def _settled(io: Any, store: Any) -> bool:
