@@ -101,6 +101,9 @@ def main() -> None:
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--swap-space", type=float, default=0.05, help="GiB")
+    parser.add_argument(
+        "--kv-transfer-params", help="JSON: every request's kv_transfer_params"
+    )
     args = parser.parse_args()
 
     # The flags work as LLM() keyword arguments with no import of the package by the
@@ -151,8 +154,12 @@ def main() -> None:
 
     rng = random.Random(11)
     docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
+    hints = json.loads(args.kv_transfer_params or "null")
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": hints} if hints else None,
     )
     requests = []
     for doc in docs * args.reads:  # every document read `reads` times, one at a time
