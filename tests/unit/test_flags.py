@@ -418,6 +418,20 @@ def test_async_load_tokens_is_a_count_of_tokens(bad: object) -> None:
         flags.resolve_offload(_args(kv_transfer_config=_extra(async_load_tokens=bad)))
 
 
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [("retain_share", 1.5), ("retain_share", -0.1), ("retain_share", "half"),
+     ("retain_share", float("nan")), ("max_retain_s", 0), ("max_retain_s", True)],
+)  # fmt: skip
+def test_retention_bounds_are_checked(key: str, bad: object) -> None:
+    default = OffloadConfig.from_extra_config({})
+    assert (default.retain_share, default.max_retain_s) == (0.5, 3600.0)
+    none = OffloadConfig.from_extra_config({"retain_share": 0, "max_retain_s": 60})
+    assert OffloadConfig.from_extra_config(none.to_extra_config()) == none
+    with pytest.raises(OffloadConfigError, match=f"{key} must be"):
+        flags.resolve_offload(_args(kv_transfer_config=_extra(**{key: bad})))
+
+
 def test_settings_already_validated_are_not_validated_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
