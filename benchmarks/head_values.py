@@ -139,7 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     servers: Any = (
-        MooncakeServers("1GB") if args.store == "mooncake" else RedisServer()
+        MooncakeServers("4GB") if args.store == "mooncake" else RedisServer()
     ).start()
     try:
         kv = caches(args.blocks)
