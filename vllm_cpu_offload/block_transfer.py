@@ -37,6 +37,9 @@ class RemoteBlocks:
     job_id: int
     keys: Sequence[str]
     host_blocks: Sequence[int]
+    # Written before the writes queued earlier: its client said it will read the
+    # prefix again (`retain`), maybe on another engine.
+    first: bool = False
 
 
 @dataclass(frozen=True)

@@ -436,3 +436,37 @@ def test_a_redis_call_past_its_timeout_leaves_the_spans_alone(
     wait_until_up(store)
     assert memory.read(target) == bytes(64)
     store.close()
+
+
+class _GatedPutStore(_StuckStore):
+    """Puts wait at a gate until the test opens it; records the keys of each put."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.puts: list[list[str]] = []
+
+    def put(
+        self, keys: Sequence[str], values: Sequence[Sequence[Span]], timeout_s: float
+    ) -> list[bool]:
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        self.puts.append(list(keys))
+        return [True] * len(keys)
+
+
+def test_a_retained_requests_write_goes_before_those_queued_earlier() -> None:
+    # While one write is in the store, two wait; a third marked `first` (its request
+    # will be read again) is written before them.
+    store, host = _GatedPutStore(), _host(6)
+    io = _io(store, host)
+    io.write(RemoteBlocks(1, ["a"], [0]))
+    assert store.entered.wait(60)
+    io.write(RemoteBlocks(2, ["b"], [1]))
+    io.write(RemoteBlocks(3, ["c"], [2]))
+    io.write(RemoteBlocks(4, ["d"], [3], first=True))
+    store.gate.set()
+    _until(io, lambda r: len(r.written) == 4)
+    assert [keys[0].rsplit("/", 1)[0] for keys in store.puts] == ["a", "d", "b", "c"]
+    io.close()

@@ -86,7 +86,7 @@ class NoSharedTier:
         self.pool.complete_store(fetched, False)
 
     def write_through(
-        self, store: BlockTransfer, keys: list[BlockKey]
+        self, store: BlockTransfer, keys: list[BlockKey], *, first: bool = False
     ) -> list[RemoteBlocks]:
         return []
 
@@ -246,15 +246,15 @@ class SharedTier(NoSharedTier):
     # ---- write-through ----
 
     def write_through(
-        self, store: BlockTransfer, keys: list[BlockKey]
+        self, store: BlockTransfer, keys: list[BlockKey], *, first: bool = False
     ) -> list[RemoteBlocks]:
         """What every worker writes to the store once its copy of `store` (of host
-        blocks `keys`) is done."""
+        blocks `keys`) is done; `first`: before the writes queued earlier."""
         self._writes_planned.add(store.job_id)
         k = self.blocks_per_host_block
         host_blocks = [slot // k for slot in store.host_block_ids[::k]]
         remote_keys = [self.remote_key(key) for key in keys]
-        return [RemoteBlocks(store.job_id, remote_keys, host_blocks)]
+        return [RemoteBlocks(store.job_id, remote_keys, host_blocks, first)]
 
     def store_completed(
         self,

@@ -178,7 +178,8 @@ class HostTierScheduler(LoadPlanning):
                 if store is not None:
                     meta.stores.append(store)
                     keys = self._jobs[store.job_id].keys
-                    meta.writes += self.shared.write_through(store, keys)
+                    first = state.hints.retain_s is not None
+                    meta.writes += self.shared.write_through(store, keys, first=first)
         return meta
 
     def _plan_store(

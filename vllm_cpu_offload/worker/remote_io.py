@@ -210,7 +210,10 @@ class RemoteIO:
                 self._results.written[job.job_id] = [False] * len(job.keys)
                 return False
             self._queued_write_blocks += len(job.keys)
-            self._writes.append(job)
+            if job.first:
+                self._writes.appendleft(job)
+            else:
+                self._writes.append(job)
             self._lock.notify()
         return True
 
