@@ -141,7 +141,7 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # request is failed whole (vLLM takes no load error of single blocks there)
         # and recomputed.
         results = super().get_transfer_results(finished_req_ids)
-        results.failed_recving |= self._work().shared.take_failed_loads()
+        results.failed_recving |= self._work().take_failed_loads()
         return results
 
     @override

@@ -121,28 +121,27 @@ def test_a_whole_load_loads_everything_once_every_block_arrived() -> None:
     thread.results = RemoteResults(fetched={6: [True, True]})
     (done,) = tier.poll(idle=False).fetched
     assert list(done.load.device_block_ids) == list(range(10, 16))
-    assert done.unloaded == [] and tier.take_failed_loads() == set()
+    assert done.unloaded == [] and not done.failed
 
 
 def test_a_whole_load_short_of_one_block_loads_nothing_and_fails_its_request() -> None:
     # The window group's block did not arrive: no block is loaded and none is an
-    # invalid block (vLLM's hybrid manager takes none); the request is failed whole,
-    # once, and vLLM recomputes it.
+    # invalid block (vLLM's hybrid manager takes none); the load says it failed, and
+    # the worker fails its request whole (test_tier_worker), vLLM recomputes it.
     tier, thread = _tier()
     tier.fetch(_whole_hit())
     thread.results = RemoteResults(fetched={6: [True, False]})
     (done,) = tier.poll(idle=False).fetched
     assert list(done.load.device_block_ids) == [] and done.unloaded == []
-    assert done.arrived == [True, False] and done.job_id == 6
-    assert tier.take_failed_loads() == {"w"} and tier.take_failed_loads() == set()
+    assert done.arrived == [True, False] and done.job_id == 6 and done.failed
     # A block that got no host block fails it too, every block having arrived.
     tier.fetch(_whole_hit(unloadable=[40]))
     thread.results = RemoteResults(fetched={6: [True, True]})
     (done,) = tier.poll(idle=False).fetched
     assert list(done.load.device_block_ids) == [] and done.unloaded == []
-    assert tier.take_failed_loads() == {"w"}
+    assert done.failed
     # Without a store nothing arrives: failed at once.
     none = NoSharedTierWorker()
     (done,) = none.fetch(_whole_hit()).fetched
     assert list(done.load.device_block_ids) == [] and done.unloaded == []
-    assert none.take_failed_loads() == {"w"}
+    assert done.failed

@@ -68,7 +68,9 @@ def _tear(engine: Engine, redis_url: str, group: int, block_hash: object) -> Non
     assert engine.worker.worker is not None
     io = engine.worker.worker.shared.remote_io
     assert io is not None
-    key = shard_key(engine.tier.shared.remote_key((group, block_hash)), io.rank)
+    key = shard_key(
+        engine.tier.shared.remote_key((group, block_hash)), io.values.names[0]
+    )
     client = redis.Redis.from_url(redis_url)
     try:
         assert client.exists(key) and client.set(key, b"torn")

@@ -30,7 +30,10 @@ import torch  # noqa: E402
 BLOCK_SIZE = 32
 DEVICE_BLOCKS = 24
 HOST_BLOCKS = 64
-PAGE_BYTES = BLOCK_SIZE * 2 * 4  # one layer, one KV head, head size 1, K and V, fp32
+# The tiny model's KV heads: the shared tier stores one value per head, and cuts
+# them from the layer's [blocks, heads, block size, 2 * head size] cache.
+KV_HEADS = 2
+PAGE_BYTES = BLOCK_SIZE * 2 * 4 * KV_HEADS  # one layer, head size 1, K and V, fp32
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +119,12 @@ class Engine:
             config.kv_events_config = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="null"
             )
+        assert config.model_config.get_total_num_kv_heads() == KV_HEADS
         attn: dict[str, Any] = dict(
-            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+            block_size=BLOCK_SIZE,
+            num_kv_heads=KV_HEADS,
+            head_size=1,
+            dtype=torch.float32,
         )
         groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(**attn))]
         # With a window: vLLM's hybrid manager, a full and a sliding-window group, whose
@@ -132,7 +139,7 @@ class Engine:
         # The worker first, as vLLM's engine core starts them: a persistent tier's
         # index then names the worker's data file.
         # vLLM's CPU layout of one layer: [blocks, kv heads, block size, 2 * head size].
-        self.kv = torch.full((DEVICE_BLOCKS, 1, BLOCK_SIZE, 2), -1.0)
+        self.kv = torch.full((DEVICE_BLOCKS, KV_HEADS, BLOCK_SIZE, 2), -1.0)
         self.worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
         self.worker.register_kv_caches({g.layer_names[0]: self.kv for g in groups})
         self.scheduler = utils.create_scheduler(
@@ -163,10 +170,10 @@ class Engine:
                     start = max(0, done - self.window + 1)
                 for pos in range(start, done + count):
                     block = block_ids[pos // BLOCK_SIZE]
-                    slot = self.kv[block, 0, pos % BLOCK_SIZE]
+                    slot = self.kv[block, :, pos % BLOCK_SIZE]  # every head
                     if pos >= done:
                         slot.fill_(float(tokens[pos]))
-                    elif slot[0].item() != tokens[pos]:
+                    elif bool((slot != tokens[pos]).any()):
                         wrong.add(block)
                     else:
                         self.checked_slots += 1
@@ -582,7 +589,7 @@ def test_kv_events_say_what_the_shared_store_holds_and_what_it_lacks(
     assert a.worker.worker is not None
     io = a.worker.worker.shared.remote_io
     assert io is not None
-    rank = io.rank
+    rank = io.values.names[0]  # a value of the block: a miss needs one torn
     request = b.request(7, prompt_tokens)
     torn = redis.Redis.from_url(redis_url)
     for block_hash in request.block_hashes[:6]:

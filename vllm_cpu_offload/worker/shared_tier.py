@@ -5,7 +5,8 @@ and write-throughs of stored host blocks.
 once it ends, cuts the load to what the host tier holds: its pairs up to the first
 fetched host block that did not arrive (vLLM recomputes from there). A load of several
 KV cache groups (`AsyncLoad.whole`) is not cut: short of any block it loads nothing,
-and its request is reported failed (`take_failed_loads`, vLLM's `failed_recving`), as
+and it says so (`FetchedLoad.failed`: the worker reports the request in vLLM's
+`failed_recving`), as
 vLLM's hybrid manager takes no load error of single blocks. It writes a store
 job's host blocks through once the job's copy is done here. `NoSharedTierWorker` is the
 same seam without a store: a fetch ends at once with nothing arrived, and no write is
@@ -56,12 +57,15 @@ class FetchedLoad:
         arrived: for each fetched host block, whether it is in host memory now.
         load: the load's pairs before the cut; no pair when nothing is loadable.
         unloaded: the device blocks it leaves unfilled, for vLLM to recompute.
+        failed: a whole load (several KV cache groups) short of a block: it loads
+            nothing and vLLM recomputes its request.
 
     """
 
     arrived: list[bool]
     load: BlockTransfer
     unloaded: list[int]
+    failed: bool = False
 
     @property
     def job_id(self) -> int:
@@ -94,10 +98,6 @@ def _cut(async_load: AsyncLoad, cut: int, arrived: list[bool]) -> FetchedLoad:
 class NoSharedTierWorker:
     """No store: a fetch ends at once with nothing arrived; nothing is written."""
 
-    def __init__(self) -> None:
-        # Requests whose whole load failed since the last `take_failed_loads`.
-        self._failed_loads: set[str] = set()
-
     @property
     def remote_io(self) -> RemoteIO | None:
         """The store's thread (tests wait for it and read what it registered)."""
@@ -119,17 +119,6 @@ class NoSharedTierWorker:
             fetched=[self._ended(async_load, async_load.fetched_from, nothing)]
         )
 
-    def load_failed(self, req_id: str) -> None:
-        """A whole load of `req_id` failed in its copy: reported with the failed
-        loads."""
-        self._failed_loads.add(req_id)
-
-    def take_failed_loads(self) -> set[str]:
-        """The requests whose whole load failed since the last call: vLLM recomputes
-        them (its `failed_recving`); each is also among the finished loads."""
-        failed, self._failed_loads = self._failed_loads, set()
-        return failed
-
     def _ended(
         self, async_load: AsyncLoad, cut: int, arrived: list[bool]
     ) -> FetchedLoad:
@@ -139,11 +128,11 @@ class NoSharedTierWorker:
         if async_load.whole and (
             cut < len(load.device_block_ids) or len(async_load.unloadable) > 0
         ):
-            self.load_failed(load.req_id)
             return FetchedLoad(
                 arrived=arrived,
                 load=BlockTransfer(load.job_id, [], [], req_id=load.req_id),
                 unloaded=[],
+                failed=True,
             )
         return _cut(async_load, cut, arrived)
 
@@ -182,7 +171,6 @@ class SharedTierWorker(NoSharedTierWorker):
         idle_fetch_wait_s: float,
         writes_through: bool = True,
     ) -> None:
-        super().__init__()
         self._io = io
         self.writes_through = writes_through
         # None where the model has no cores beside it.

@@ -95,6 +95,8 @@ class HostTierWorker:
         # async load job -> device blocks it will not fill (recomputed by vLLM)
         self._async_unloaded: dict[int, list[int]] = {}
         self._finished_recving: set[str] = set()
+        # Requests whose whole load failed since the last `take_failed_loads`.
+        self._failed_loads: set[str] = set()
         self._awaiting_free: set[str] = set()  # finished requests the scheduler holds
         self._report = OffloadWorkerReport()
         self._load_errors: set[int] = set()
@@ -250,6 +252,8 @@ class HostTierWorker:
         """An async load's fetch ended: loads the part of the hit in host memory;
         vLLM recomputes the rest."""
         job_id, load = fetched.job_id, fetched.load
+        if fetched.failed:
+            self._failed_loads.add(load.req_id)
         self._report.fetched[job_id] = fetched.arrived
         self._report.fetch_reports[job_id] += 1
         self._async_unloaded[job_id] = fetched.unloaded
@@ -263,6 +267,12 @@ class HostTierWorker:
         self._engine().start_background_loads(loads)
         self._load_seconds += time.perf_counter() - start
 
+    def take_failed_loads(self) -> set[str]:
+        """The requests whose whole load failed since the last call: vLLM recomputes
+        them (its `failed_recving`); each is also among the finished loads."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
     def _collect(self, finished: FinishedJobs) -> None:
         for job_id in finished.broken:
             # A load of this step that will fail: the step's compute must not trust
@@ -275,7 +285,7 @@ class HostTierWorker:
             if job_id in self._whole_loads:
                 # Several KV cache groups: vLLM recomputes the whole request.
                 self._load_device_blocks.pop(job_id, None)
-                self.shared.load_failed(self._async_req[job_id])
+                self._failed_loads.add(self._async_req[job_id])
             elif job_id in self._load_device_blocks:
                 # vLLM recomputes the tokens of these blocks: a miss, never
                 # a wrong token.
