@@ -85,7 +85,7 @@ def _retention(pool: HostBlockPool, budget: int) -> tuple[Retention, Clock]:
     return Retention(pool, budget, TierStats(block_bytes=1), clock=clock), clock
 
 
-def test_retained_blocks_outlive_pressure_until_read() -> None:
+def test_retained_blocks_outlive_pressure_until_the_last_one_is_read() -> None:
     pool = _pool()
     retention, _ = _retention(pool, budget=4)
     kept = _store(pool, "a", 3)
@@ -94,13 +94,35 @@ def test_retained_blocks_outlive_pressure_until_read() -> None:
         _store(pool, name, 2)
     assert all(pool.state_of(k) is BlockState.READY for k in kept)
     assert retention.stats.retained_blocks == 3
-    retention.read(kept[:2])  # a later request's hit fulfils the retain
-    assert retention.stats.retained_hit_blocks == 2
+    retention.read(kept[:2])  # another session reads the prefix it shares
+    assert retention.stats.retained_blocks == 3 and pool.num_pinned == 3
+    retention.read(kept)  # the client came back
+    assert retention.stats.retained_hit_blocks == 3
     assert retention.stats.retained_blocks == pool.num_pinned == 0
     _store(pool, "g", 8)  # evictable again, like any used block
     assert not any(k in pool for k in kept)
     retention.check_invariants()
     pool.check_invariants()
+
+
+def test_sessions_that_share_a_prefix_hold_it_together() -> None:
+    # Two agents behind one system prompt: the prompt stays pinned until the last
+    # retain that holds it ends; the budget counts it once.
+    pool = _pool()
+    retention, _ = _retention(pool, budget=4)
+    prompt = _store(pool, "p", 2)
+    a = [(0, "a")]
+    b = [(0, "b")]
+    pool.allocate_for_store(a, prompt[-1])
+    pool.complete_store(a, True)
+    pool.allocate_for_store(b, prompt[-1])
+    pool.complete_store(b, True)
+    retention.retain(prompt + a, "t", 60)
+    retention.retain(prompt + b, "t", 60)
+    assert retention.stats.retained_blocks == pool.num_pinned == 4
+    retention.read(prompt + a)  # agent a's next step
+    assert pool.num_pinned == 3 and _pinned(pool, prompt + b)
+    retention.check_invariants()
 
 
 def test_a_retain_ends_when_its_time_passes_counted_unread() -> None:
@@ -138,33 +160,45 @@ def test_tenants_share_the_budget_fairly() -> None:
     retention.check_invariants()
 
 
-def test_blocks_still_storing_are_kept_once_stored_or_dropped_if_it_failed() -> None:
+def test_blocks_still_storing_are_kept_once_stored_a_failed_store_ends_it() -> None:
     pool = _pool()
     retention, _ = _retention(pool, budget=8)
     good, bad = _store(pool, "g", 2, ready=False), _store(pool, "b", 2, ready=False)
-    retention.retain(good + bad, None, 60)
+    retention.retain(good, None, 60)
+    retention.retain(bad, None, 60)
     assert pool.num_pinned == 0 and retention.stats.retained_blocks == 4
     pool.complete_store(good, True)
     retention.stored(good, True)
     pool.complete_store(bad, False)
-    retention.stored(bad, False)
+    retention.stored(bad, False)  # a hit would stop at the gap: nothing to keep
     assert _pinned(pool, good) and retention.stats.retained_blocks == 2
     retention.check_invariants()
     pool.check_invariants()
 
 
-def test_done_blocks_go_first_unless_read_again() -> None:
-    pool = _pool(6)
+def test_done_blocks_go_first_leaf_first_unless_read_again() -> None:
+    pool = _pool(7)
     old, done = _store(pool, "old", 2), _store(pool, "done", 2)
     read_again = _store(pool, "again", 2)
     pool.demote(done + read_again)
     assert pool.count_hits(read_again) == 2  # used after all: no longer doomed
-    _store(pool, "new", 2)  # room for two: the done session's blocks go
+    _store(pool, "new", 2)  # room for one (one free): the done chain's leaf goes
+    assert done[0] in pool and done[1] not in pool
+    _store(pool, "newer", 1)
     assert not any(k in pool for k in done)
     assert all(k in pool for k in old + read_again)
-    _store(pool, "newer", 2)  # then the policy's own order (LRU: old)
-    assert not any(k in pool for k in old)
     pool.check_invariants()
+
+
+def test_done_leaves_alone_the_prefix_other_sessions_share() -> None:
+    pool = _pool(8)
+    prompt = _store(pool, "p", 2)
+    mine, theirs = [(0, "m")], [(0, "t")]
+    for chain in (mine, theirs):
+        pool.allocate_for_store(chain, prompt[-1])
+        pool.complete_store(chain, True)
+    pool.demote(prompt + mine)  # only "m" is this session's alone
+    assert list(pool._doomed.values()) == mine
 
 
 def _pinned(pool: HostBlockPool, keys: list) -> bool:

@@ -87,8 +87,7 @@ class HostBlockPool:
 
     def state_of(self, key: BlockKey) -> BlockState | None:
         """The key's state, or None if the pool does not hold it."""
-        block = self._by_key.get(key)
-        return None if block is None else block.state
+        return None if (block := self._by_key.get(key)) is None else block.state
 
     # ----- lookups and loads -----
 
@@ -137,12 +136,18 @@ class HostBlockPool:
                 self._spare(used)
 
     def demote(self, keys: Sequence[BlockKey]) -> None:
-        """Marks the blocks of `keys` to go before any other (their session ended),
-        unless a read uses them first. O(len(keys))."""
-        for key in keys:
-            block = self._by_key.get(key)
-            if block is not None:
-                self._doomed[block.block_id] = key
+        """Dooms a chain whose session ended (`keys`, prefix order): evicted before
+        any other block, leaf first, unless read first; up to the first block another
+        chain shares (a child it does not name). O(len(keys))."""
+        child: HostBlock | None = None
+        for key in reversed(keys):
+            if (block := self._by_key.get(key)) is None:
+                continue
+            own = child is not None and child.parent is block
+            if block.num_children > own:
+                break
+            self._doomed[block.block_id] = key
+            child = block
 
     def pin(self, keys: Sequence[BlockKey]) -> list[int]:
         """Pins READY blocks for a load; returns their host block ids in order.
@@ -361,9 +366,7 @@ class HostBlockPool:
         for key, block in self._by_key.items():
             assert block.key == key and self._blocks[block.block_id] is block
             assert block.pin_count >= 0
-            assert block.state is BlockState.READY or block.pin_count == 0, (
-                "pinned STORING"
-            )
+            assert block.state is BlockState.READY or not block.pin_count, "pinned"
             storing += block.state is BlockState.STORING
             pinned += block.pin_count > 0
             if block.parent is not None:
@@ -433,22 +436,20 @@ class HostBlockPool:
         parent.first_child = block
         parent.num_children += 1
 
-    def _spare(self, used: Sequence[HostBlock]) -> None:
-        """Read again: no longer doomed."""
+    def _spare(self, used: Sequence[HostBlock]) -> None:  # read again: not doomed
         for block in used:
             self._doomed.pop(block.block_id, None)
 
     def _evict_one(self, evicted: list[BlockKey]) -> bool:
         """Frees a doomed block, else the policy's next victim; False if neither."""
-        while self._doomed:
+        victim = None
+        while self._doomed and victim is None:
             block_id, key = self._doomed.popitem(last=False)
             block = self._blocks[block_id]
             if block.key == key and block.evictable:  # still that block, unused
                 self.policy.on_remove(block)
-                evicted.append(key)
-                self._release(block)
-                return True
-        victim = self.policy.pop_victim()
+                victim = block
+        victim = victim or self.policy.pop_victim()
         if victim is None:
             return False
         assert victim.evictable, f"policy chose {victim}, which is not evictable"

@@ -1,30 +1,36 @@
 """Retained prefixes: the blocks of a finished request whose client said it will read
-them again (`retain`), kept from eviction until a later request reads them or their
-time passes, within a bounded and fair share of the tier.
+them again (`retain`), kept from eviction until the client comes back or the time
+passes, within a bounded and fair share of the tier.
 
 A retained block is pinned in the pool (the policy unlists it, as for a load), so no
-policy, built in or a user's, can evict it. Blocks still being stored when their request
-finishes are pinned as their stores complete. Bounds:
-- all retains together hold at most `budget` blocks (`retain_share` of the tier);
+policy, built in or a user's, can evict it; blocks still being stored when their request
+finishes are pinned as their stores complete. Retains of sessions that share a prefix
+(a system prompt, a tool's instructions) hold its blocks together: a block is pinned
+while any retain holds it. Bounds:
+- all retains together hold at most `budget` distinct blocks (`retain_share` of the
+  tier);
 - tenants (`cache_salt`) share the budget fairly: when it is full, a tenant below its
   fair share (the budget over the tenants retaining) takes room from the oldest retain
   of the tenant that holds the most; a tenant at or above it gives up its own oldest. A
   retain larger than the room left keeps its first blocks (a prefix is read from the
-  front).
-A retain ends when a later request reads any of its blocks (from host memory or the
-device's prefix cache: the client came back; the blocks are then as recent as any use
-makes them), when its time passes (counted unread), when a newer retain takes its
-blocks, or on `done` and cache resets. Every call is O(blocks it names) plus
-O(tenants) per retain given up for room.
+  front), and a retain stops at the first block the pool does not hold (a hit stops
+  there too).
+A retain ends when a later request reads its last block, from host memory or the
+device's prefix cache (the client came back; a read of a prefix it shares with other
+sessions does not end it); when its time passes (counted unread); when a store of one of
+its blocks fails; on `done` of its session, and on cache resets. Its blocks are then
+unpinned deepest first, so that a policy that keeps order evicts them leaves first.
+Every call is O(blocks it names), plus O(tenants) per retain given up for room.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState
 from vllm_cpu_offload.scheduler.manager import HostTierManager
@@ -36,12 +42,7 @@ class _Retain:
     rid: int
     tenant: str | None
     deadline: float
-    pinned: set[BlockKey] = field(default_factory=set)
-    pending: set[BlockKey] = field(default_factory=set)  # STORING when retained
-
-    @property
-    def size(self) -> int:
-        return len(self.pinned) + len(self.pending)
+    keys: list[BlockKey]  # in prefix order
 
 
 class Retention:
@@ -60,81 +61,83 @@ class Retention:
         self.stats = stats
         self._clock = clock
         self._retains: dict[int, _Retain] = {}
-        self._by_key: dict[BlockKey, int] = {}
+        self._holders: dict[BlockKey, set[int]] = {}  # key -> retains that hold it
+        self._pinned: set[BlockKey] = set()  # held keys pinned in the pool
+        self._by_last: dict[BlockKey, set[int]] = {}  # key -> retains it ends
         self._deadlines: list[tuple[float, int]] = []
-        # tenant -> its retains, oldest first
+        # tenant -> its retains, oldest first; and the blocks they hold
         self._tenants: dict[str | None, OrderedDict[int, None]] = {}
-        self._usage: dict[str | None, int] = {}  # tenant -> blocks it retains
-        self._held = 0
+        self._usage: dict[str | None, int] = {}
         self._next_rid = 0
 
     @property
     def num_blocks(self) -> int:
-        """Blocks retained now (pinned, or pinned once stored)."""
-        return self._held
+        """Distinct blocks retained now (pinned, or pinned once stored)."""
+        return len(self._holders)
 
     def retain(
         self, keys: Sequence[BlockKey], tenant: str | None, seconds: float
     ) -> None:
-        """Keeps `keys` (a request's blocks, in chain order) for `seconds`; those the
-        pool does not hold are skipped."""
+        """Keeps `keys` (a request's blocks, in prefix order) for `seconds`, up to the
+        first the pool does not hold."""
         state_of = self.pool.state_of
-        held = [k for k in keys if state_of(k) is not None]
-        for key in held:  # a newer retain of a block takes it over
-            if key in self._by_key:
-                self._drop_key(key)
-        room = self._make_room(tenant, len(held))
-        held = held[:room]
+        held = list(itertools.takewhile(lambda k: state_of(k) is not None, keys))
+        new = sum(k not in self._holders for k in held)
+        room = self._make_room(tenant, new)
+        if room < new:  # keep the first blocks that fit
+            fits, taken = 0, 0
+            while fits < len(held) and (held[fits] in self._holders or taken < room):
+                taken += held[fits] not in self._holders
+                fits += 1
+            held = held[:fits]
         if not held:
             return
-        entry = _Retain(self._next_rid, tenant, self._clock() + seconds)
+        entry = _Retain(self._next_rid, tenant, self._clock() + seconds, held)
         self._next_rid += 1
-        ready = [k for k in held if state_of(k) is BlockState.READY]
-        self.pool.pin(ready)
-        entry.pinned.update(ready)
-        entry.pending.update(k for k in held if state_of(k) is not BlockState.READY)
         for key in held:
-            self._by_key[key] = entry.rid
+            holders = self._holders.setdefault(key, set())
+            holders.add(entry.rid)
+            if len(holders) == 1 and state_of(key) is BlockState.READY:
+                self.pool.pin([key])
+                self._pinned.add(key)
+        self._by_last.setdefault(held[-1], set()).add(entry.rid)
         self._retains[entry.rid] = entry
         self._tenants.setdefault(tenant, OrderedDict())[entry.rid] = None
+        self._usage[tenant] = self._usage.get(tenant, 0) + len(held)
         heapq.heappush(self._deadlines, (entry.deadline, entry.rid))
-        self._count(entry, entry.size)
+        self.stats.retained_blocks = len(self._holders)
 
     def stored(self, keys: Sequence[BlockKey], success: bool) -> None:
-        """A store of `keys` ended: retained ones are pinned now, or dropped if it
-        failed."""
+        """A store of `keys` ended: retained ones are pinned now; a failed one ends
+        the retains that hold it (a hit would stop there)."""
+        if not self._holders:
+            return
         for key in keys:
-            rid = self._by_key.get(key)
-            if rid is None or key not in self._retains[rid].pending:
+            holders = self._holders.get(key)
+            if holders is None or key in self._pinned:
                 continue
-            entry = self._retains[rid]
-            entry.pending.discard(key)
             if success:
                 self.pool.pin([key])
-                entry.pinned.add(key)
+                self._pinned.add(key)
             else:
-                del self._by_key[key]
-                self._count(entry, -1)
-                self._end_if_empty(entry)
+                for rid in list(holders):
+                    self._release(self._retains[rid])
 
     def read(self, keys: Sequence[BlockKey]) -> None:
-        """A request reads `keys`: the retains they belong to are fulfilled."""
-        if not self._by_key:  # nothing retained: the common case, O(1)
+        """A request reads `keys`: the retains whose last block it reads are
+        fulfilled."""
+        if not self._holders:  # nothing retained: the common case, O(1)
             return
-        fulfilled = {rid for key in keys if (rid := self._by_key.get(key)) is not None}
-        if not fulfilled:
-            return
-        self.stats.retained_hit_blocks += sum(key in self._by_key for key in keys)
-        for rid in fulfilled:
-            self._release(self._retains[rid])
+        fulfilled = self._ending_at(keys)
+        if fulfilled:
+            self.stats.retained_hit_blocks += sum(k in self._holders for k in keys)
+            for rid in fulfilled:
+                self._release(self._retains[rid])
 
     def forget(self, keys: Sequence[BlockKey]) -> None:
-        """Ends the retains of `keys` (the session is done)."""
-        if not self._by_key:
-            return
-        for key in keys:
-            rid = self._by_key.get(key)
-            if rid is not None:
+        """Ends the retains that end among `keys` (their session is done)."""
+        if self._holders:
+            for rid in self._ending_at(keys):
                 self._release(self._retains[rid])
 
     def expire(self) -> None:
@@ -154,74 +157,66 @@ class Retention:
         self._deadlines.clear()
 
     def check_invariants(self) -> None:
-        assert self._held == sum(e.size for e in self._retains.values())
+        assert len(self._holders) <= self.budget
+        assert self._pinned <= set(self._holders)
+        for key, rids in self._holders.items():
+            assert rids and all(key in self._retains[r].keys for r in rids)
+        for key in self._pinned:
+            assert self.pool.state_of(key) is BlockState.READY, key
         for tenant, retains in self._tenants.items():
-            assert self._usage[tenant] == sum(self._retains[r].size for r in retains)
-        assert self._held <= self.budget
-        assert len(self._by_key) == self._held
-        for entry in self._retains.values():
-            for key in entry.pinned:
-                assert self.pool.state_of(key) is BlockState.READY, key
+            assert self._usage[tenant] == sum(
+                len(self._retains[r].keys) for r in retains
+            )
 
     # ---- room ----
 
     def _make_room(self, tenant: str | None, wanted: int) -> int:
-        """Gives up retains until `wanted` blocks of `tenant` fit, fairly; how many
-        fit."""
+        """Gives up retains until `wanted` new blocks of `tenant` fit, fairly; how
+        many fit."""
         wanted = min(wanted, self.budget)
-        while self._held + wanted > self.budget:
+        while len(self._holders) + wanted > self.budget and self._retains:
             tenants = len(self._tenants) + (tenant not in self._tenants)
             fair = self.budget // tenants
             mine = self._usage.get(tenant, 0)
-            if mine + wanted <= fair:
-                others = (t for t in self._tenants if t != tenant)
+            others = [t for t in self._tenants if t != tenant]
+            if mine + wanted <= fair and others:
                 owner = max(others, key=self._usage.__getitem__)
             elif tenant in self._tenants:
                 owner = tenant
-            else:  # a newcomer asking past its fair share gets that share
-                wanted = max(self.budget - self._held, fair)
+            elif wanted > fair:  # a newcomer asking past its fair share gets that
+                wanted = max(self.budget - len(self._holders), fair)
                 continue
+            else:
+                owner = max(others, key=self._usage.__getitem__)
             oldest = next(iter(self._tenants[owner]))
             self._release(self._retains[oldest])
-        return wanted
+        return min(wanted, self.budget - len(self._holders))
 
     # ---- ending a retain ----
 
+    def _ending_at(self, keys: Sequence[BlockKey]) -> set[int]:
+        return {rid for key in keys for rid in self._by_last.get(key, ())}
+
     def _release(self, entry: _Retain) -> None:
-        if entry.pinned:
-            self.pool.unpin(list(entry.pinned))
-        for key in (*entry.pinned, *entry.pending):
-            del self._by_key[key]
-        self._count(entry, -entry.size)
-        entry.pinned.clear()
-        entry.pending.clear()
-        self._end(entry)
-
-    def _drop_key(self, key: BlockKey) -> None:
-        """Takes one block out of its retain (another retain takes it over)."""
-        entry = self._retains[self._by_key.pop(key)]
-        if key in entry.pinned:
-            entry.pinned.discard(key)
-            self.pool.unpin([key])
-        else:
-            entry.pending.discard(key)
-        self._count(entry, -1)
-        self._end_if_empty(entry)
-
-    def _count(self, entry: _Retain, blocks: int) -> None:
-        self._held += blocks
-        self.stats.retained_blocks = self._held
-        self._usage[entry.tenant] = self._usage.get(entry.tenant, 0) + blocks
-
-    def _end_if_empty(self, entry: _Retain) -> None:
-        if entry.size == 0:
-            self._end(entry)
-
-    def _end(self, entry: _Retain) -> None:
-        self._retains.pop(entry.rid, None)
-        retains = self._tenants.get(entry.tenant)
-        if retains is not None:
-            retains.pop(entry.rid, None)
-            if not retains:
-                del self._tenants[entry.tenant]
-                del self._usage[entry.tenant]
+        """Ends `entry`; its blocks no other retain holds are unpinned, deepest
+        first."""
+        self._retains.pop(entry.rid)
+        for key in reversed(entry.keys):
+            holders = self._holders[key]
+            holders.discard(entry.rid)
+            if not holders:
+                del self._holders[key]
+                if key in self._pinned:
+                    self._pinned.discard(key)
+                    self.pool.unpin([key])
+        ending = self._by_last[entry.keys[-1]]
+        ending.discard(entry.rid)
+        if not ending:
+            del self._by_last[entry.keys[-1]]
+        retains = self._tenants[entry.tenant]
+        del retains[entry.rid]
+        self._usage[entry.tenant] -= len(entry.keys)
+        if not retains:
+            del self._tenants[entry.tenant]
+            del self._usage[entry.tenant]
+        self.stats.retained_blocks = len(self._holders)
