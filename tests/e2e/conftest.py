@@ -22,6 +22,10 @@ import pytest
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from tests.conftest import BLOCK_SIZE  # noqa: E402
+from vllm_cpu_offload.testing.store_servers import (  # noqa: E402
+    MooncakeServers,
+    ServerUnavailable,
+)
 
 DEVICE_BLOCKS = 24  # 768 tokens of device KV cache
 HOST_GIB = 0.01  # 163 blocks of the tiny model (64 KiB each)
@@ -120,3 +124,16 @@ def offload_llm(tiny_model: str) -> Iterator[Any]:
     llm = make_llm(tiny_model, offload=True)
     yield llm
     shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator[MooncakeServers]:
+    """A Mooncake Store (master and storage node) on loopback for a module's tests."""
+    try:
+        servers = MooncakeServers().start()
+    except ServerUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield servers
+    finally:
+        servers.stop()

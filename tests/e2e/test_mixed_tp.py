@@ -42,23 +42,11 @@ from tests.e2e.test_shared_tier import (
     stepped_until,
     text,
 )
-from vllm_cpu_offload.testing.store_servers import MooncakeServers, ServerUnavailable
+from vllm_cpu_offload.testing.store_servers import MooncakeServers
 
 pytestmark = pytest.mark.e2e
 
 DOCS = 2
-
-
-@pytest.fixture(scope="module")
-def mooncake() -> Iterator[MooncakeServers]:
-    try:
-        servers = MooncakeServers().start()
-    except ServerUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        yield servers
-    finally:
-        servers.stop()
 
 
 def _server(model: str, url: str, tp: int) -> Iterator[RunningServer]:

@@ -33,7 +33,6 @@ from tests.e2e.servers import RunningServer, metrics, running_server
 from tests.e2e.test_serving_load import OFFLOAD, complete, idle, settled_metrics
 from vllm_cpu_offload.testing.store_servers import (
     MooncakeServers,
-    ServerUnavailable,
     free_port,
 )
 from vllm_cpu_offload.testing.tiny_model import random_words
@@ -69,18 +68,6 @@ def second_engine_documents() -> tuple[list[str], str]:
 def second_engine_reads() -> list[Doc]:
     docs, salted = second_engine_documents()
     return [*((d, None) for d in docs), (salted, "tenant-a")]
-
-
-@pytest.fixture(scope="module")
-def mooncake() -> Iterator[MooncakeServers]:
-    try:
-        servers = MooncakeServers().start()
-    except ServerUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        yield servers
-    finally:
-        servers.stop()
 
 
 def server_flags(url: str) -> list[str]:
