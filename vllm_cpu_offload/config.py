@@ -41,6 +41,12 @@ DEFAULT_REMOTE_TIMEOUT_S = 2.0
 # docs/design.md, "Loads that span steps".
 DEFAULT_ASYNC_LOAD_TOKENS = 4096
 
+# How the shared store holds sharded attention's blocks: one value per KV head (any TP
+# size reads them), or one per rank (only engines of the writer's TP size do; fewer,
+# larger values for a fleet of one TP size). kv_shards.py.
+REMOTE_VALUES = ("per_head", "per_rank")
+DEFAULT_REMOTE_VALUES = "per_head"
+
 # Requests' `retain` hints keep at most this share of the host tier from eviction
 # (scheduler/retention.py), each for at most `max_retain_s` seconds.
 DEFAULT_RETAIN_SHARE = 0.5
@@ -77,6 +83,9 @@ class OffloadConfig:
             while other requests run, as a shared store's hits do: the request waits in
             vLLM's waiting-for-remote-KV state, the others go on; 0: every host hit
             loads inside its step.
+        remote_values: how the shared store holds sharded attention's blocks
+            (`REMOTE_VALUES`): per KV head, so that engines of any TP size read them,
+            or per rank, for a fleet of one TP size.
         retain_share: the share of the host tier that requests' `retain` hints may
             keep from eviction (0: hints to retain are ignored).
         max_retain_s: the longest a `retain` hint keeps blocks, in seconds.
@@ -93,6 +102,7 @@ class OffloadConfig:
     async_load_tokens: int = DEFAULT_ASYNC_LOAD_TOKENS
     retain_share: float = DEFAULT_RETAIN_SHARE
     max_retain_s: float = DEFAULT_MAX_RETAIN_S
+    remote_values: str = DEFAULT_REMOTE_VALUES
 
     @property
     def swap_space_bytes(self) -> int:
@@ -118,6 +128,8 @@ class OffloadConfig:
             extra["retain_share"] = self.retain_share
         if self.max_retain_s != DEFAULT_MAX_RETAIN_S:
             extra["max_retain_s"] = self.max_retain_s
+        if self.remote_values != DEFAULT_REMOTE_VALUES:
+            extra["remote_values"] = self.remote_values
         return extra
 
     def blocks_per_host_block(self, block_size: int) -> int:
@@ -149,6 +161,7 @@ class OffloadConfig:
             "async_load_tokens",
             "retain_share",
             "max_retain_s",
+            "remote_values",
         )
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
@@ -180,6 +193,12 @@ class OffloadConfig:
         share = extra.get("retain_share", DEFAULT_RETAIN_SHARE)
         longest = extra.get("max_retain_s", DEFAULT_MAX_RETAIN_S)
         _check_retention(share, longest)
+        values = extra.get("remote_values", DEFAULT_REMOTE_VALUES)
+        if values not in REMOTE_VALUES:
+            raise OffloadConfigError(
+                f"remote_values {values!r} is not known; choose one of: "
+                f"{', '.join(REMOTE_VALUES)}"
+            )
         return cls(
             swap_space_gib=swap,
             eviction_policy=policy,
@@ -191,6 +210,7 @@ class OffloadConfig:
             async_load_tokens=threshold,
             retain_share=float(share),
             max_retain_s=float(longest),
+            remote_values=values,
         )
 
 

@@ -109,10 +109,15 @@ def kv_sharding(vllm_config: Any) -> str:
     - `HEADS`: each rank holds a contiguous range of the KV heads (or, past one rank
       per head, one head several ranks hold alike), as vLLM's attention shards them at
       every TP size, so a head's bytes do not depend on the TP size;
-    - `RANKS`: neither (context parallelism also splits the tokens): a rank's bytes
-      mean something only to a rank of the same TP size."""
+    - `RANKS`: neither (context parallelism also splits the tokens), or the user
+      chose values per rank (`remote_values`): a rank's bytes mean something only to
+      a rank of the same TP size."""
     if kv_is_replicated(vllm_config):
         return REPLICATED
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    if extra.get("remote_values") == "per_rank":
+        return RANKS
     parallel = vllm_config.parallel_config
     context_parallel = max(
         int(getattr(parallel, "prefill_context_parallel_size", 1)),

@@ -432,6 +432,14 @@ def test_retention_bounds_are_checked(key: str, bad: object) -> None:
         flags.resolve_offload(_args(kv_transfer_config=_extra(**{key: bad})))
 
 
+def test_remote_values_is_one_of_two() -> None:
+    assert OffloadConfig.from_extra_config({}).remote_values == "per_head"
+    per_rank = OffloadConfig.from_extra_config({"remote_values": "per_rank"})
+    assert OffloadConfig.from_extra_config(per_rank.to_extra_config()) == per_rank
+    with pytest.raises(OffloadConfigError, match="remote_values 'rank' is not known"):
+        flags.resolve_offload(_args(kv_transfer_config=_extra(remote_values="rank")))
+
+
 def test_settings_already_validated_are_not_validated_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

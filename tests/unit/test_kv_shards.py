@@ -70,3 +70,17 @@ def test_context_parallelism_keeps_one_value_per_rank() -> None:
     # A model whose heads do not split over the ranks, or that does not say.
     assert kv_sharding(_config(heads=3, tp=2)) == RANKS
     assert kv_sharding(_config(heads=0, tp=1)) == RANKS
+
+
+def test_a_fleet_of_one_tp_size_may_keep_one_value_per_rank() -> None:
+    config = _config(heads=8, tp=2)
+    config.kv_transfer_config = types.SimpleNamespace(
+        kv_connector_extra_config={"remote_values": "per_rank"}
+    )
+    assert kv_sharding(config) == RANKS
+    assert worker_shards(config, 1, 0) == WorkerShards(
+        ("tp1-pp0",), writes=True, per_head=False
+    )
+    # MLA's one value per stage is already the fewest.
+    config.model_config.use_mla = True
+    assert kv_sharding(config) == REPLICATED
