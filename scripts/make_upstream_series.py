@@ -93,6 +93,7 @@ FLAGS_RENAMES = {
 PLUGIN_ONLY_TESTS = {
     "test_design_doc.py",
     "test_flags.py",
+    "test_hint_replay.py",  # a benchmark of this repository's, not in the series
     "test_import_graph.py",
     "test_import_hook.py",
     "test_install.py",
