@@ -25,6 +25,7 @@ benchmarks/mixed_tp_agreement.py measures both.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -50,7 +51,15 @@ DOCS = 2
 
 
 def _server(model: str, url: str, tp: int) -> Iterator[RunningServer]:
-    flags = server_flags(url)
+    # Store calls bounded by 30 s, not 2: a TP=2 server beside the store's processes
+    # on two busy cores may take seconds for a call, and a write or fetch given up
+    # is a miss (correct, but not what this test is about).
+    patient = {
+        "kv_connector": "CPUOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"remote_timeout_s": 30},
+    }
+    flags = [*server_flags(url), "--kv-transfer-config", json.dumps(patient)]
     env = dict(MOONCAKE_ENV)
     if tp > 1:
         flags += ["--tensor-parallel-size", str(tp)]
