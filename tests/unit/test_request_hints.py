@@ -160,6 +160,22 @@ def test_tenants_share_the_budget_fairly() -> None:
     retention.check_invariants()
 
 
+def test_a_retain_given_up_for_room_does_not_let_the_new_one_past_the_budget() -> None:
+    # x's new retain extends its old one, which is given up for room: the prefix the
+    # two shared leaves with it, and is new again; the budget still holds.
+    pool = _pool(16)
+    retention, _ = _retention(pool, budget=4)
+    retention.retain(_store(pool, "y", 2), "y", 60)
+    prefix = _store(pool, "p", 2)
+    retention.retain(prefix, "x", 60)
+    tail = [(0, "z0"), (0, "z1")]
+    pool.allocate_for_store(tail, prefix[-1])
+    pool.complete_store(tail, True)
+    retention.retain(prefix + tail, "x", 60)
+    assert retention.num_blocks <= 4 and pool.num_pinned <= 4
+    retention.check_invariants()
+
+
 def test_blocks_still_storing_are_kept_once_stored_a_failed_store_ends_it() -> None:
     pool = _pool()
     retention, _ = _retention(pool, budget=8)

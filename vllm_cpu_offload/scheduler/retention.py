@@ -82,14 +82,14 @@ class Retention:
         first the pool does not hold."""
         state_of = self.pool.state_of
         held = list(itertools.takewhile(lambda k: state_of(k) is not None, keys))
-        new = sum(k not in self._holders for k in held)
-        room = self._make_room(tenant, new)
-        if room < new:  # keep the first blocks that fit
-            fits, taken = 0, 0
-            while fits < len(held) and (held[fits] in self._holders or taken < room):
-                taken += held[fits] not in self._holders
-                fits += 1
-            held = held[:fits]
+        room = self._make_room(tenant, sum(k not in self._holders for k in held))
+        # Keep the first blocks that fit, counted again: a retain given up for room
+        # may have held some of them, which are new now.
+        fits, taken = 0, 0
+        while fits < len(held) and (held[fits] in self._holders or taken < room):
+            taken += held[fits] not in self._holders
+            fits += 1
+        held = held[:fits]
         if not held:
             return
         entry = _Retain(self._next_rid, tenant, self._clock() + seconds, held)
