@@ -253,12 +253,7 @@ def _check_numbers(
             "remote_url must be a store URL (e.g. mooncake://10.0.0.5:50051), "
             f"got {url!r}"
         )
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
+    if not _is_number(timeout) or timeout <= 0:  # type: ignore[operator]
         raise OffloadConfigError(
             "remote_timeout_s must be a positive number of seconds (e.g. 2), got "
             f"{timeout!r}"
