@@ -379,7 +379,10 @@ class World:
         suffix = [
             rng.randrange(1, 5000) for _ in range(rng.randrange(1, 2 * BLOCK_SIZE))
         ]
-        params = SamplingParams(max_tokens=rng.randrange(1, 3 * BLOCK_SIZE))
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, 3 * BLOCK_SIZE),
+            extra_args={"kv_transfer_params": self._hints()},
+        )
         params.update_from_generation_config({}, self.utils.EOS_TOKEN_ID)
         request = Request(
             request_id=f"{engine.name}-{self._next_request}",
@@ -391,6 +394,19 @@ class World:
         )
         engine.added.append(request.request_id)
         engine.scheduler.add_request(request)
+
+    def _hints(self) -> dict[str, Any]:
+        """A request's hints: none mostly; retains that expire within the run or
+        outlive it, sessions that end, caps on what is stored."""
+        rng = self.rng
+        draw = rng.random()
+        if draw < 0.25:
+            return {"retain": rng.choice([0.02, 0.2, 600])}
+        if draw < 0.35:
+            return {"done": True}
+        if draw < 0.45:
+            return {"max_offload_tokens": rng.choice([0, BLOCK_SIZE, 3 * BLOCK_SIZE])}
+        return {}
 
     def _finished(self, engine: Engine, req_id: str) -> None:
         engine.finished[req_id] = engine.finished.get(req_id, 0) + 1
@@ -485,6 +501,7 @@ class World:
                 if o.finish_reason is not None:
                     self._finished(engine, o.request_id)
         engine.tier.pool.check_invariants()
+        engine.tier.retention.check_invariants()
 
     def _tokens(self, engine: Engine, request: Any) -> list[int]:
         """The request's tokens as the workers know them (see `Engine.tokens`)."""
@@ -638,6 +655,8 @@ class World:
                 "failed_loads",
                 "failed_stores",
                 "remote_missed_blocks",
+                "retained_hit_blocks",
+                "retains_expired_unread",
             ):
                 total[name] = total.get(name, 0) + int(getattr(stats, name))
             total["requests"] = total.get("requests", 0) + len(engine.added)
@@ -666,7 +685,8 @@ class World:
         tier = engine.tier
         left = {
             "jobs": tier.num_jobs_in_flight,
-            "pinned": tier.pool.num_pinned,
+            # Retained blocks stay pinned by design until read or expired.
+            "pinned": tier.pool.num_pinned - tier.retention.num_pinned,
             "storing": tier.pool.num_storing,
             "held writes": tier.shared.num_held_writes,
         }
@@ -686,6 +706,9 @@ class World:
             io = w.shared.remote_io
             if io is not None and not io.wait_idle(SETTLE_S):
                 left[f"rank {r} store thread busy"] = 1
+        # Once every retain ends, nothing pins a block.
+        tier.retention.release_all()
+        left["pinned once retains end"] = tier.pool.num_pinned
         leaks = {k: v for k, v in left.items() if v}
         if leaks:
             raise Violation(f"{where}: left behind {leaks}")

@@ -71,6 +71,11 @@ class Retention:
         self._next_rid = 0
 
     @property
+    def num_pinned(self) -> int:
+        """Blocks the retains pin in the pool now."""
+        return len(self._pinned)
+
+    @property
     def num_blocks(self) -> int:
         """Distinct blocks retained now (pinned, or pinned once stored)."""
         return len(self._holders)
