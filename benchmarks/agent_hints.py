@@ -138,6 +138,10 @@ class Workload:
     # default on CPU is 2048)
     step_tokens: int = 512
     policy: str = "lru"
+    # the share of the tier retains may hold (the `retain_share` extra-config key)
+    retain_share: float = 0.5
+    # "float32" gives answers free of bf16's rounding, at twice the bytes a block
+    dtype: str = "bfloat16"
     seed: int = 0
 
     @property
@@ -158,17 +162,19 @@ class Workload:
         return self.period_s * self.steps + 2.0
 
 
-def block_bytes() -> int:
-    """One device block of the benchmark model in bf16: K and V of every layer."""
+def block_bytes(dtype: str) -> int:
+    """One device block of the benchmark model: K and V of every layer."""
     s = BENCH_SHAPE
     head_dim = s.hidden_size // s.num_heads
-    return 2 * s.num_layers * s.num_kv_heads * head_dim * BLOCK_SIZE * 2
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    return 2 * s.num_layers * s.num_kv_heads * head_dim * BLOCK_SIZE * itemsize
 
 
 def server_flags(w: Workload) -> list[str]:
-    swap_gib = w.host_blocks * block_bytes() / (1 << 30)
+    swap_gib = w.host_blocks * block_bytes(w.dtype) / (1 << 30)
+    extra = {"eviction_policy": w.policy, "retain_share": w.retain_share}
     return [
-        "--dtype", "bfloat16",
+        "--dtype", w.dtype,
         "--block-size", str(BLOCK_SIZE),
         "--enforce-eager",
         "--seed", "0",
@@ -182,7 +188,7 @@ def server_flags(w: Workload) -> list[str]:
         "--kv-transfer-config", json.dumps({
             "kv_connector": "CPUOffloadConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"eviction_policy": w.policy},
+            "kv_connector_extra_config": extra,
         }),
     ]  # fmt: skip
 

@@ -45,10 +45,12 @@ from vllm_cpu_offload.config import (
     parse_swap_space_path,
 )
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
+from vllm_cpu_offload.kv_identity import host_region_per_stage
 from vllm_cpu_offload.persist.directory import check_tier_directory, check_tier_fits
 from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
 from vllm_cpu_offload.remote.registry import check_remote_url
 from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
+from vllm_cpu_offload.worker.shared_region import room_bytes as shm_room_bytes
 
 # Every vLLM release the package is tested against (README: "Supported vLLM").
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
@@ -183,16 +185,16 @@ def _resolve_offload(engine_args: Any) -> OffloadConfig | None:
             "--enable-cpu-offload cannot be combined with vLLM's own "
             "--kv-offloading-size; drop --kv-offloading-size"
         )
-    workers = int(engine_args.tensor_parallel_size) * int(
-        engine_args.pipeline_parallel_size
-    )
+    # At least one copy of the tier per pipeline stage; how many in all depends on
+    # the model (check_engine counts them).
+    stages = int(engine_args.pipeline_parallel_size)
     # A bad policy name or class fails here, before the engine starts.
     resolve_policy(config.eviction_policy)
     if config.swap_space_path is not None:
         check_tier_directory(config.swap_space_path)
     if config.remote_url is not None:
         check_remote_url(config.remote_url)
-    check_fits_in_host_memory(config, workers)
+    check_fits_in_host_memory(config, stages, "pipeline stage(s)")
     return config
 
 
@@ -201,27 +203,45 @@ def available_host_memory_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def check_fits_in_host_memory(config: OffloadConfig, num_workers: int = 1) -> None:
-    """Refuses a swap space larger than the host memory available now (with
+def check_fits_in_host_memory(
+    config: OffloadConfig, copies: int = 1, each: str = "worker(s)"
+) -> None:
+    """Refuses `copies` swap spaces larger than the host memory available now (with
     `swap_space_path`: larger than the space its file system has for the tier)."""
-    wanted = config.swap_space_bytes * num_workers
+    wanted = config.swap_space_bytes * copies
     if config.swap_space_path is not None:
         check_tier_fits(
-            config.swap_space_path, wanted, config.swap_space_gib, num_workers
+            config.swap_space_path, wanted, config.swap_space_gib, copies, each
         )
         return
     available = available_host_memory_bytes()
     if wanted > available:
         raise OffloadConfigError(
-            f"--swap-space {config.swap_space_gib:g} GiB x {num_workers} worker(s) "
+            f"--swap-space {config.swap_space_gib:g} GiB x {copies} {each} "
             f"exceeds the {available / GIB:.1f} GiB of host memory available; lower "
             "--swap-space"
         )
 
 
+def host_tier_copies(vllm_config: Any, config: OffloadConfig) -> tuple[int, str]:
+    """How many swap spaces the engine's workers allocate, and of what: one per
+    worker, or one per pipeline stage where the ranks of a stage map one region
+    (MLA, worker/shared_region.py) and the tmpfs can hold them (where it cannot, each
+    rank falls back to a copy of its own)."""
+    parallel = vllm_config.parallel_config
+    stages = int(parallel.pipeline_parallel_size)
+    if (
+        host_region_per_stage(vllm_config, config.swap_space_path)
+        and config.swap_space_bytes * stages <= shm_room_bytes()
+    ):
+        return stages, "pipeline stage(s)"
+    return int(parallel.tensor_parallel_size) * stages, "worker(s)"
+
+
 def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
-    """Refuses, before the engine starts, a model whose state the host tier cannot hold
-    and a host block size the engine's KV cache cannot take.
+    """Refuses, before the engine starts, a tier larger than the host memory for the
+    copies the engine allocates, a model whose state the host tier cannot hold and a
+    host block size the engine's KV cache cannot take.
 
     Mamba and other state-space layers keep one running state per request instead of KV
     blocks per token; the host tier and the shared store hold blocks only. Full,
@@ -229,6 +249,7 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
     of several device blocks need full attention: a window group releases device
     blocks one at a time.
     """
+    check_fits_in_host_memory(config, *host_tier_copies(vllm_config, config))
     model_config = vllm_config.model_config
     k = config.blocks_per_host_block(vllm_config.cache_config.block_size)
     windowed = getattr(model_config.hf_text_config, "sliding_window", None) or getattr(

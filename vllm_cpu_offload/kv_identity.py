@@ -103,6 +103,17 @@ def kv_is_replicated(vllm_config: Any) -> bool:
     return bool(getattr(vllm_config.model_config, "use_mla", False))
 
 
+def host_region_per_stage(vllm_config: Any, swap_space_path: str | None) -> bool:
+    """Whether the tensor-parallel ranks of a pipeline stage map one host region
+    (worker/shared_region.py) instead of a copy each: replicated KV on more than one
+    rank, without a persistent tier (which keeps a file per rank)."""
+    return (
+        kv_is_replicated(vllm_config)
+        and int(vllm_config.parallel_config.tensor_parallel_size) > 1
+        and swap_space_path is None
+    )
+
+
 def kv_sharding(vllm_config: Any) -> str:
     """How a block's KV is spread over the tensor-parallel ranks:
     - `REPLICATED`: every rank holds it whole (MLA);

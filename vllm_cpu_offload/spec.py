@@ -18,7 +18,11 @@ from vllm.logger import init_logger
 
 from vllm_cpu_offload.config import OffloadConfig
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
-from vllm_cpu_offload.kv_identity import kv_is_replicated, unshared_notice
+from vllm_cpu_offload.kv_identity import (
+    host_region_per_stage,
+    kv_is_replicated,
+    unshared_notice,
+)
 from vllm_cpu_offload.kv_shards import shard_names, worker_shards
 from vllm_cpu_offload.persist.block_index import BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
@@ -122,10 +126,8 @@ class OffloadSpec:
         # MLA: every tensor-parallel rank holds the same KV, stored once per engine
         # (kv_shards.py). The persistent tier keeps a file per rank.
         self.kv_replicated = kv_is_replicated(vllm_config)
-        self.shares_host_region = (
-            self.kv_replicated
-            and vllm_config.parallel_config.tensor_parallel_size > 1
-            and self.config.swap_space_path is None
+        self.shares_host_region = host_region_per_stage(
+            vllm_config, self.config.swap_space_path
         )
         # What the scheduler half lives on, closed by `close`.
         self._index: BlockIndex | None = None

@@ -456,3 +456,41 @@ def test_settings_already_validated_are_not_validated_again(
     args.swap_space = "2"
     second = flags.resolve_offload(args)
     assert second is not None and second.swap_space_gib == 2 and calls == ["1", "2"]
+
+
+def test_replicated_kv_counts_one_host_tier_per_pipeline_stage(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MLA's ranks map one region per stage: 1 GiB at TP=2 needs 1 GiB, not 2.
+    from vllm_cpu_offload.errors import GIB
+    from vllm_cpu_offload.testing.tiny_mla import ENGINE_KWARGS, ensure_tiny_mla
+
+    monkeypatch.setattr(flags, "available_host_memory_bytes", lambda: int(1.5 * GIB))
+    monkeypatch.setattr(flags, "shm_room_bytes", lambda: 4 * GIB)
+
+    def engine(model: str, **kwargs: object) -> EngineArgs:
+        return EngineArgs(
+            model=model,
+            enable_cpu_offload=True,
+            swap_space="1",
+            tensor_parallel_size=2,
+            distributed_executor_backend="mp",
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    mla = str(ensure_tiny_mla())
+    engine(mla, **ENGINE_KWARGS).create_engine_config()
+    # A model with KV heads: each rank holds its own heads' tier.
+    with pytest.raises(OffloadConfigError, match=r"1 GiB x 2 worker\(s\) exceeds"):
+        engine(tiny_model).create_engine_config()
+    # A tmpfs too small for the region: each MLA rank falls back to its own copy.
+    monkeypatch.setattr(flags, "shm_room_bytes", lambda: GIB // 2)
+    with pytest.raises(OffloadConfigError, match=r"1 GiB x 2 worker\(s\) exceeds"):
+        engine(mla, **ENGINE_KWARGS).create_engine_config()
+    # Nor does a persistent tier share one: it keeps a file per rank.
+    monkeypatch.setattr(flags, "shm_room_bytes", lambda: 4 * GIB)
+    monkeypatch.setattr(flags, "available_host_memory_bytes", lambda: 64 * GIB)
+    assert flags.host_tier_copies(
+        engine(mla, **ENGINE_KWARGS).create_engine_config(),
+        OffloadConfig(swap_space_gib=1, swap_space_path="/tmp"),
+    ) == (2, "worker(s)")

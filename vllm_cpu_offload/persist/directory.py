@@ -69,7 +69,9 @@ def check_tier_directory(path: str) -> None:
             os.close(fd)
 
 
-def check_tier_fits(path: str, wanted: int, gib: float, num_workers: int) -> None:
+def check_tier_fits(
+    path: str, wanted: int, gib: float, copies: int, each: str = "worker(s)"
+) -> None:
     """Refuses a tier larger than its file system can hold (what is free, plus the tier
     files already there, which are reused or replaced)."""
     fs = os.statvfs(path)
@@ -77,7 +79,7 @@ def check_tier_fits(path: str, wanted: int, gib: float, num_workers: int) -> Non
     room += sum(f.stat().st_size for f in Path(path).glob(TIER_FILE_GLOB))
     if wanted > room:
         raise OffloadConfigError(
-            f"--swap-space {gib:g} GiB x {num_workers} worker(s) exceeds the "
+            f"--swap-space {gib:g} GiB x {copies} {each} exceeds the "
             f"{room / GIB:.1f} GiB that {path} can hold; lower --swap-space or free "
             "space there"
         )

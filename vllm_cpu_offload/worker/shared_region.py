@@ -69,6 +69,16 @@ class SharedRegion:
         return torch.frombuffer(mapping, dtype=torch.uint8).view(num_slots, slot_bytes)
 
 
+def room_bytes() -> int:
+    """What the tmpfs of the shared regions can hold now, in bytes (0 where there is
+    none)."""
+    try:
+        fs = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return fs.f_bavail * fs.f_frsize
+
+
 def _map(path: str, size: int) -> tuple[mmap.mmap | None, str | None]:
     """The file at `path`, `size` bytes reserved, mapped shared with its pages backed;
     or None and why not."""
