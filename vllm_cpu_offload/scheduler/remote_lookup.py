@@ -41,12 +41,6 @@ class RemoteLookup:
         self.failures = 0
         self._quiet_until = 0.0
 
-    def count_hits(self, keys: Sequence[str]) -> int:
-        """How many of `keys` (rank-independent, in prefix order) every rank holds,
-        from the first on."""
-        held = self.held(keys)
-        return next((i for i, ok in enumerate(held) if not ok), len(held))
-
     def held(self, keys: Sequence[str]) -> list[bool]:
         """For each of `keys` (rank-independent), whether every rank holds it; all
         False when the store fails or is left alone after a failure."""
