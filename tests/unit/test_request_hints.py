@@ -144,19 +144,43 @@ def test_tenants_share_the_budget_fairly() -> None:
     retention, _ = _retention(pool, budget=4)
     x1, x2 = _store(pool, "x", 2), _store(pool, "xx", 2)
     retention.retain(x1, "x", 60)
-    retention.retain(x2, "x", 60)  # x holds the whole budget: no one else asks
+    retention.retain(x2, "x", 30)  # x holds the whole budget: no one else asks
     assert retention.stats.retained_blocks == 4
     y = _store(pool, "y", 2)
-    retention.retain(y, "y", 60)  # under its fair share (2): takes x's oldest
+    retention.retain(y, "y", 90)  # under its fair share (2): takes x's due last
     assert pool.state_of(x1[0]) is BlockState.READY and not _pinned(pool, x1)
     assert _pinned(pool, x2) and _pinned(pool, y)
     x3 = _store(pool, "xxx", 2)
-    retention.retain(x3, "x", 60)  # x at its fair share gives up its own oldest
+    retention.retain(x3, "x", 20)  # x at its fair share gives up its own due last
     assert _pinned(pool, x3) and _pinned(pool, y) and not _pinned(pool, x2)
+    x4 = _store(pool, "xxxx", 2)
+    retention.retain(x4, "x", 40)  # due after x3: the new one waits, no room left
+    assert _pinned(pool, x3) and not _pinned(pool, x4)
     z = _store(pool, "z", 4)
     retention.retain(z, "z", 60)  # a newcomer past its share (4 // 3) gets that
     assert retention.stats.retained_blocks <= 4
     assert _pinned(pool, z[:1]) and not _pinned(pool, z[1:])
+    retention.check_invariants()
+
+
+def test_with_more_sessions_than_room_the_retains_that_fit_are_read() -> None:
+    # Three sessions retain in turn, each due back 30 s later, in room for two: the
+    # third waits (due last), and the first two keep theirs until they are read,
+    # instead of each retain being given up for the next just before its read.
+    pool = _pool(16)
+    retention, clock = _retention(pool, budget=4)
+    sessions = [_store(pool, name, 2) for name in ("a", "b", "c")]
+    for t, keys in enumerate(sessions):
+        clock.now = float(t)
+        retention.retain(keys, None, 30)
+    a, b, c = sessions
+    assert _pinned(pool, a) and _pinned(pool, b) and not _pinned(pool, c)
+    clock.now = 20.0
+    retention.read(a)
+    retention.retain(c, None, 30)  # room again: c's next retain is kept
+    retention.read(b)
+    assert retention.stats.retained_hit_blocks == 4
+    assert _pinned(pool, c) and not _pinned(pool, a)
     retention.check_invariants()
 
 

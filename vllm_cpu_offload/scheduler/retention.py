@@ -10,17 +10,23 @@ while any retain holds it. Bounds:
 - all retains together hold at most `budget` distinct blocks (`retain_share` of the
   tier);
 - tenants (`cache_salt`) share the budget fairly: when it is full, a tenant below its
-  fair share (the budget over the tenants retaining) takes room from the oldest retain
-  of the tenant that holds the most; a tenant at or above it gives up its own oldest. A
-  retain larger than the room left keeps its first blocks (a prefix is read from the
-  front), and a retain stops at the first block the pool does not hold (a hit stops
-  there too).
+  fair share (the budget over the tenants retaining) takes room from the retain due
+  last (the latest deadline) of the tenant that holds the most; a tenant at or above
+  it gives up its own retain due last, unless that is the new one, which then keeps
+  what room is left. Due last, not oldest: a client's retain time says when it comes
+  back, and giving up the retain read furthest ahead keeps the others until they are
+  read, where giving up the oldest would, with more sessions than room, give up each
+  retain just before its read (measured: benchmarks/agent_hints.py);
+- a retain larger than the room left keeps its first blocks (a prefix is read from
+  the front), and a retain stops at the first block the pool does not hold (a hit
+  stops there too).
 A retain ends when a later request reads its last block, from host memory or the
 device's prefix cache (the client came back; a read of a prefix it shares with other
 sessions does not end it); when its time passes (counted unread); when a store of one of
 its blocks fails; on `done` of its session, and on cache resets. Its blocks are then
 unpinned deepest first, so that a policy that keeps order evicts them leaves first.
-Every call is O(blocks it names), plus O(tenants) per retain given up for room.
+Every call is O(blocks it names), plus O(tenants + log retains) per retain given up
+for room.
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -65,9 +70,11 @@ class Retention:
         self._pinned: set[BlockKey] = set()  # held keys pinned in the pool
         self._by_last: dict[BlockKey, set[int]] = {}  # key -> retains it ends
         self._deadlines: list[tuple[float, int]] = []
-        # tenant -> its retains, oldest first; and the blocks they hold
-        self._tenants: dict[str | None, OrderedDict[int, None]] = {}
+        # tenant -> its retains; the blocks they hold; a heap of (-deadline, rid) of
+        # its retains, due last first (entries of ended retains are skipped lazily)
+        self._tenants: dict[str | None, set[int]] = {}
         self._usage: dict[str | None, int] = {}
+        self._due_last: dict[str | None, list[tuple[float, int]]] = {}
         self._next_rid = 0
 
     @property
@@ -87,7 +94,10 @@ class Retention:
         first the pool does not hold."""
         state_of = self.pool.state_of
         held = list(itertools.takewhile(lambda k: state_of(k) is not None, keys))
-        room = self._make_room(tenant, sum(k not in self._holders for k in held))
+        deadline = self._clock() + seconds
+        room = self._make_room(
+            tenant, sum(k not in self._holders for k in held), deadline
+        )
         # Keep the first blocks that fit, counted again: a retain given up for room
         # may have held some of them, which are new now.
         fits, taken = 0, 0
@@ -97,7 +107,7 @@ class Retention:
         held = held[:fits]
         if not held:
             return
-        entry = _Retain(self._next_rid, tenant, self._clock() + seconds, held)
+        entry = _Retain(self._next_rid, tenant, deadline, held)
         self._next_rid += 1
         for key in held:
             holders = self._holders.setdefault(key, set())
@@ -107,9 +117,12 @@ class Retention:
                 self._pinned.add(key)
         self._by_last.setdefault(held[-1], set()).add(entry.rid)
         self._retains[entry.rid] = entry
-        self._tenants.setdefault(tenant, OrderedDict())[entry.rid] = None
+        self._tenants.setdefault(tenant, set()).add(entry.rid)
         self._usage[tenant] = self._usage.get(tenant, 0) + len(held)
         heapq.heappush(self._deadlines, (entry.deadline, entry.rid))
+        heapq.heappush(
+            self._due_last.setdefault(tenant, []), (-entry.deadline, entry.rid)
+        )
         self.stats.retained_blocks = len(self._holders)
 
     def stored(self, keys: Sequence[BlockKey], success: bool) -> None:
@@ -172,12 +185,14 @@ class Retention:
             assert self._usage[tenant] == sum(
                 len(self._retains[r].keys) for r in retains
             )
+            assert retains <= {rid for _, rid in self._due_last[tenant]}
+        assert self._due_last.keys() == self._tenants.keys()
 
     # ---- room ----
 
-    def _make_room(self, tenant: str | None, wanted: int) -> int:
-        """Gives up retains until `wanted` new blocks of `tenant` fit, fairly; how
-        many fit."""
+    def _make_room(self, tenant: str | None, wanted: int, deadline: float) -> int:
+        """Gives up retains until `wanted` new blocks of `tenant`, due at `deadline`,
+        fit, fairly; how many fit."""
         wanted = min(wanted, self.budget)
         while len(self._holders) + wanted > self.budget and self._retains:
             tenants = len(self._tenants) + (tenant not in self._tenants)
@@ -193,9 +208,17 @@ class Retention:
                 continue
             else:
                 owner = max(others, key=self._usage.__getitem__)
-            oldest = next(iter(self._tenants[owner]))
-            self._release(self._retains[oldest])
-        return min(wanted, self.budget - len(self._holders))
+            due_last = self._due_last_of(owner)
+            if owner == tenant and due_last.deadline <= deadline:
+                break  # the new retain is due last: it keeps what room is left
+            self._release(due_last)
+        return max(0, min(wanted, self.budget - len(self._holders)))
+
+    def _due_last_of(self, tenant: str | None) -> _Retain:
+        heap = self._due_last[tenant]
+        while heap[0][1] not in self._retains:
+            heapq.heappop(heap)
+        return self._retains[heap[0][1]]
 
     # ---- ending a retain ----
 
@@ -219,9 +242,14 @@ class Retention:
         if not ending:
             del self._by_last[entry.keys[-1]]
         retains = self._tenants[entry.tenant]
-        del retains[entry.rid]
+        retains.discard(entry.rid)
         self._usage[entry.tenant] -= len(entry.keys)
+        heap = self._due_last[entry.tenant]
         if not retains:
             del self._tenants[entry.tenant]
             del self._usage[entry.tenant]
+            del self._due_last[entry.tenant]
+        elif len(heap) > 2 * len(retains) + 8:  # mostly ended entries: rebuild
+            heap[:] = [(-self._retains[r].deadline, r) for r in retains]
+            heapq.heapify(heap)
         self.stats.retained_blocks = len(self._holders)
