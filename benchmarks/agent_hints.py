@@ -45,18 +45,20 @@ Settings, and why they depart from the issue's sketch:
   warns where neither is present. Sized on a 2-core AMD EPYC with AVX512-BF16 and no
   AMX: a 2,000-token prefill takes about 1.1 s on the one engine core.
 - Sizes: a flood that flushes the tier between two steps of an agent must store more
-  blocks than the tier holds in one period, and the retains (at most `retain_share`,
-  0.5 by default, of the tier) must hold the agents' prefixes. One engine core stores
-  about 35 blocks/s of one-offs, so: a host tier of 256 blocks (64 MiB), agents'
-  contexts of 900 tokens (a last step of 1,284 tokens, 40 blocks: three agents retain
-  at most about 120 of the 128 blocks allowed, a stress case for the re-reads), a step
-  every 10 s, one-offs of 2,000 tokens with 0.5 s between them, and a device cache of
-  160 blocks that holds the running requests but not a prefix across a period.
+  blocks than the tier holds in one period. One engine core stores about 35 blocks/s
+  of one-offs, so: a host tier of 256 blocks (64 MiB), agents' contexts of 900 tokens
+  (a last step of 1,284 tokens, 40 blocks: three agents retain 105-120 blocks at
+  once), a step every 10 s, one-offs of 2,000 tokens with 0.5 s between them, and a
+  device cache of 160 blocks that holds the running requests but not a prefix across
+  a period. The retains hold at most `retain_share` of the tier (`--retain-share`):
+  with the default, 0.25, 64 blocks, fewer than the agents ask for (a stress case for
+  the budget: the retains due last wait); with 0.5, 128, all of it (a stress case for
+  the re-reads, whose share of the tier halves).
 - Eviction policy LRU (`--policy` changes it): the default `prefix_aware` policy's
   doorkeeper turns away part of the one-offs by itself, so it is not flushed (measured
-  with it, `--policy prefix_aware --reps 2`, results/agent_hints_prefix_aware.json:
-  `neither` still read about half of the agents' prefixes); with LRU what the hints
-  change is all that changes, as in tests/e2e/test_hints.py.
+  with it, `--policy prefix_aware`, results/agent_hints_prefix_aware.json: `neither`
+  still read about half of the agents' prefixes); with LRU what the hints change is
+  all that changes, as in tests/e2e/test_hints.py.
 - Steps of at most 512 tokens (`--max-num-batched-tokens`, the server's default on CPU
   is 2048) and at most 256 tokens of one prefill in a step while others wait
   (`--long-prefill-token-threshold`, default none). With vLLM's defaults a step that
@@ -95,6 +97,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.long_document_qa import BENCH_SHAPE  # noqa: E402
 from tests.e2e.servers import RunningServer, metrics, running_server  # noqa: E402
+from vllm_cpu_offload.config import DEFAULT_RETAIN_SHARE  # noqa: E402
 from vllm_cpu_offload.testing.openai_clients import (  # noqa: E402
     client_per_request_connection,
 )
@@ -139,7 +142,7 @@ class Workload:
     step_tokens: int = 512
     policy: str = "lru"
     # the share of the tier retains may hold (the `retain_share` extra-config key)
-    retain_share: float = 0.5
+    retain_share: float = DEFAULT_RETAIN_SHARE
     # "float32" gives answers free of bf16's rounding, at twice the bytes a block
     dtype: str = "bfloat16"
     seed: int = 0

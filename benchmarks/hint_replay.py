@@ -38,7 +38,7 @@ of the ~10 minutes on 2 cores), read from its JSON (`--bound file`), or quoted f
 its printed run (`--bound quote`: 0.37 / 0.29 / 0.31 / 0.17 at 8k / 12k / 16k / 32k).
 
 Usage: .venv/bin/python benchmarks/hint_replay.py [--capacities C ...]
-           [--retain-share 0.5] [--jobs 2] [--bound compute|file|quote] [--out FILE]
+           [--retain-share 0.25] [--jobs 2] [--bound compute|file|quote] [--out FILE]
 """
 
 from __future__ import annotations
@@ -70,7 +70,10 @@ from trace_replay import (  # noqa: E402
 )
 from workloads import agent_loops  # noqa: E402
 
-from vllm_cpu_offload.config import DEFAULT_MAX_RETAIN_S  # noqa: E402
+from vllm_cpu_offload.config import (  # noqa: E402
+    DEFAULT_MAX_RETAIN_S,
+    DEFAULT_RETAIN_SHARE,
+)
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
 from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
 from vllm_cpu_offload.scheduler.request_hints import (  # noqa: E402
@@ -506,7 +509,7 @@ def bar(rows: list[dict], bounds: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacities", type=int, nargs="+", default=CAPACITIES)
-    parser.add_argument("--retain-share", type=float, default=0.5)
+    parser.add_argument("--retain-share", type=float, default=DEFAULT_RETAIN_SHARE)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument(
         "--bound", choices=["compute", "file", "quote"], default="compute"

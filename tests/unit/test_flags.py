@@ -425,7 +425,7 @@ def test_async_load_tokens_is_a_count_of_tokens(bad: object) -> None:
 )  # fmt: skip
 def test_retention_bounds_are_checked(key: str, bad: object) -> None:
     default = OffloadConfig.from_extra_config({})
-    assert (default.retain_share, default.max_retain_s) == (0.5, 3600.0)
+    assert (default.retain_share, default.max_retain_s) == (0.25, 3600.0)
     none = OffloadConfig.from_extra_config({"retain_share": 0, "max_retain_s": 60})
     assert OffloadConfig.from_extra_config(none.to_extra_config()) == none
     with pytest.raises(OffloadConfigError, match=f"{key} must be"):
