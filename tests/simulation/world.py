@@ -58,6 +58,10 @@ PAGE_BYTES = BLOCK_SIZE * SLOT_BYTES  # one KV head of one layer of a block
 TP_SIZES = (1, 2, 4)  # what A2 picks its own TP size from
 PREFIXES = 6  # shared document prefixes
 SETTLE_S = 30.0
+# Simulated seconds a step: about what a step of the three engines takes on wall time
+# here, so that the store's back-off (1 s) and retains (0.02-600 s) span as many steps
+# as they did on the wall clock.
+STEP_S = 0.04
 SIM_STORE = "tests.simulation.store:SimStore"
 MOONCAKE_STORE = "tests.simulation.mooncake_client:SimMooncakeStore"
 SLOW_STORE = StoreFaults(fail=0.02, timeout=0.05, hold=0.6)
@@ -261,12 +265,25 @@ class World:
             config, num_blocks=DEVICE_BLOCKS, kv_cache_config=kv_config
         )
         engine = Engine(name, scheduler, ranks, salt, KVOutputAggregator(tp))
+        # The scheduler half's deadlines and windows (retains, the store's back-off,
+        # blocks it failed to serve) run on the simulation's clock: they expire at
+        # the same steps however fast the machine. (Replays are not yet identical on
+        # busy cores: the store calls' timeouts still run on the wall clock.)
+        tier = engine.tier
+        tier.retention.clock = self.now
+        shared = tier.shared
+        if hasattr(shared, "lookup"):
+            shared.clock = shared.lookup.clock = self.now
         problem = self.oracle.add_engine(engine.tier.namespace, salt)
         if problem is not None:
             self._violation(problem)
         return engine
 
     # ---- running ----
+
+    def now(self) -> float:
+        """The simulation's clock: STEP_S seconds a step."""
+        return self.step_no * STEP_S
 
     def _violation(self, what: str) -> None:
         self.backend.violation(what)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from vllm_cpu_offload.remote.namespace import shard_key
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError
@@ -39,19 +39,21 @@ class RemoteLookup:
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
         self.failures = 0
+        # The time source of the back-off (a simulation steps its own).
+        self.clock: Callable[[], float] = time.monotonic
         self._quiet_until = 0.0
 
     def held(self, keys: Sequence[str]) -> list[bool]:
         """For each of `keys` (rank-independent), whether every rank holds it; all
         False when the store fails or is left alone after a failure."""
-        if not keys or time.monotonic() < self._quiet_until:
+        if not keys or self.clock() < self._quiet_until:
             return [False] * len(keys)
         shards = [shard_key(k, r) for k in keys for r in self.ranks]
         try:
             found = self.store.exists(shards, self.timeout_s)
         except RemoteStoreError as e:
             self.failures += 1
-            self._quiet_until = time.monotonic() + self.backoff_s
+            self._quiet_until = self.clock() + self.backoff_s
             logger.debug("remote KV lookup failed: %s", e)
             return [False] * len(keys)
         ranks = len(self.ranks)

@@ -64,7 +64,8 @@ class Retention:
         self.budget = budget
         # retained_blocks (now), retained_hit_blocks, retains_expired_unread
         self.stats = stats
-        self._clock = clock
+        # The time source of deadlines (a simulation steps its own).
+        self.clock = clock
         self._retains: dict[int, _Retain] = {}
         self._holders: dict[BlockKey, set[int]] = {}  # key -> retains that hold it
         self._pinned: set[BlockKey] = set()  # held keys pinned in the pool
@@ -94,7 +95,7 @@ class Retention:
         first the pool does not hold."""
         state_of = self.pool.state_of
         held = list(itertools.takewhile(lambda k: state_of(k) is not None, keys))
-        deadline = self._clock() + seconds
+        deadline = self.clock() + seconds
         room = self._make_room(
             tenant, sum(k not in self._holders for k in held), deadline
         )
@@ -160,7 +161,7 @@ class Retention:
 
     def expire(self) -> None:
         """Ends the retains whose time passed (once a step)."""
-        now = self._clock()
+        now = self.clock()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, rid = heapq.heappop(self._deadlines)
             entry = self._retains.get(rid)
