@@ -47,6 +47,7 @@ from tests.simulation.mooncake_client import SimMooncakeStore
 from tests.simulation.oracle import Oracle, head_of
 from tests.simulation.replicated import replicated_kv
 from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
+from vllm_cpu_offload.scheduler.shared_tier import SharedTier
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
@@ -271,9 +272,8 @@ class World:
         # busy cores: the store calls' timeouts still run on the wall clock.)
         tier = engine.tier
         tier.retention.clock = self.now
-        shared = tier.shared
-        if hasattr(shared, "lookup"):
-            shared.clock = shared.lookup.clock = self.now
+        if isinstance(tier.shared, SharedTier):
+            tier.shared.lookup.clock = self.now
         problem = self.oracle.add_engine(engine.tier.namespace, salt)
         if problem is not None:
             self._violation(problem)

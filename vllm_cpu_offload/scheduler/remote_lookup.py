@@ -39,7 +39,8 @@ class RemoteLookup:
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
         self.failures = 0
-        # The time source of the back-off (a simulation steps its own).
+        # The time source of the back-off and of the shared tier's window for blocks
+        # the store failed to serve (a simulation steps its own).
         self.clock: Callable[[], float] = time.monotonic
         self._quiet_until = 0.0
 

@@ -13,9 +13,8 @@ It never sees a request: the scheduler half keeps what it asked per request.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -128,8 +127,6 @@ class SharedTier(NoSharedTier):
     ) -> None:
         super().__init__(pool)
         self.lookup = lookup
-        # The time source of the unfetchable window (a simulation steps its own).
-        self.clock: Callable[[], float] = time.monotonic
         self.namespace = namespace
         self.num_workers = num_workers
         self.stats = stats
@@ -165,7 +162,7 @@ class SharedTier(NoSharedTier):
         """How many of `keys` (a prefix's next host blocks, in order) the store holds
         on every rank; a block the pool holds, in any state, or one that failed to
         arrive lately ends the run."""
-        now = self.clock()
+        now = self.lookup.clock()
         asked: list[BlockKey] = []
         for key in keys:
             if key in self.pool or self._unfetchable.get(key, 0.0) > now:
@@ -180,7 +177,7 @@ class SharedTier(NoSharedTier):
         rank; a key the pool holds, in any state, or one that failed to arrive lately
         is not asked for. Its tokens are counted once per block, whatever the number
         of groups asking for it."""
-        now = self.clock()
+        now = self.lookup.clock()
         asked = [
             key
             for key in keys
@@ -238,7 +235,7 @@ class SharedTier(NoSharedTier):
     def _remember_unfetchable(self, keys: list[BlockKey]) -> None:
         """Blocks the store listed but did not serve are not offered again for a
         while: its index may outlive a dead storage node."""
-        until = self.clock() + UNFETCHABLE_FOR_S
+        until = self.lookup.clock() + UNFETCHABLE_FOR_S
         for key in keys:
             self._unfetchable.pop(key, None)
             self._unfetchable[key] = until
