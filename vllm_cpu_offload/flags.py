@@ -50,7 +50,6 @@ from vllm_cpu_offload.persist.directory import check_tier_directory, check_tier_
 from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
 from vllm_cpu_offload.remote.registry import check_remote_url
 from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
-from vllm_cpu_offload.worker.shared_region import room_bytes as shm_room_bytes
 
 # Every vLLM release the package is tested against (README: "Supported vLLM").
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
@@ -226,14 +225,11 @@ def check_fits_in_host_memory(
 def host_tier_copies(vllm_config: Any, config: OffloadConfig) -> tuple[int, str]:
     """How many swap spaces the engine's workers allocate, and of what: one per
     worker, or one per pipeline stage where the ranks of a stage map one region
-    (MLA, worker/shared_region.py) and the tmpfs can hold them (where it cannot, each
-    rank falls back to a copy of its own)."""
+    (MLA, worker/shared_region.py). The region is shared memory of the host, not of
+    /dev/shm's tmpfs, so its size does not depend on that tmpfs."""
     parallel = vllm_config.parallel_config
     stages = int(parallel.pipeline_parallel_size)
-    if (
-        host_region_per_stage(vllm_config, config.swap_space_path)
-        and config.swap_space_bytes * stages <= shm_room_bytes()
-    ):
+    if host_region_per_stage(vllm_config, config.swap_space_path):
         return stages, "pipeline stage(s)"
     return int(parallel.tensor_parallel_size) * stages, "worker(s)"
 

@@ -42,8 +42,8 @@ from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
 from vllm_cpu_offload.worker.shared_region import (
     SharedRegion,
-    region_path,
-    tensor_parallel_agreement,
+    TensorParallelCollectives,
+    region_name,
 )
 from vllm_cpu_offload.worker.tier_worker import HostTierWorker, RemoteSettings
 
@@ -202,8 +202,8 @@ class OffloadSpec:
             fence_stores=not all(g.is_full for g in self.kv_groups),
             shared_region=(
                 SharedRegion(
-                    region_path(self.vllm_config, pp_rank),
-                    tensor_parallel_agreement(),
+                    region_name(self.vllm_config, pp_rank),
+                    TensorParallelCollectives(),
                     leader=tp_rank == 0,
                 )
                 if self.shares_host_region

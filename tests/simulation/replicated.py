@@ -3,14 +3,14 @@
 The product decides this from vLLM's model config (`kv_is_replicated`); the simulated
 model is a Llama, so the decision is patched where the product reads it. The ranks of
 one engine run in this one process, so the host region they share is one tensor per
-engine (by its region path) instead of a file every rank maps, and the ranks agree
-without a collective.
+engine (by its region's name, which carries the engine id) instead of a memory file
+every rank maps, and the ranks agree without a collective.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -22,21 +22,19 @@ import vllm_cpu_offload.spec as spec_module
 
 class SimSharedRegion:
     """`SharedRegion` for ranks that are objects of one process: one tensor per
-    path, made by the first rank that maps it."""
+    region name, made by the first rank that maps it."""
 
     tensors: dict[str, torch.Tensor] = {}
 
-    def __init__(
-        self, path: str, agree: Callable[[bool], bool] | None, *, leader: bool
-    ) -> None:
-        self.path = path
+    def __init__(self, name: str, collectives: object, *, leader: bool) -> None:
+        self.name = name
         self.leader = leader
 
     def map(self, num_slots: int, slot_bytes: int) -> torch.Tensor:
-        tensor = self.tensors.get(self.path)
+        tensor = self.tensors.get(self.name)
         if tensor is None:
             tensor = torch.zeros((num_slots, slot_bytes), dtype=torch.uint8)
-            self.tensors[self.path] = tensor
+            self.tensors[self.name] = tensor
         assert tensor.shape == (num_slots, slot_bytes), "ranks disagree on the tier"
         return tensor
 
@@ -60,6 +58,6 @@ def replicated_kv(on: bool) -> Iterator[None]:
             mock.patch.object(spec_module, "SharedRegion", SimSharedRegion)
         )
         stack.enter_context(
-            mock.patch.object(spec_module, "tensor_parallel_agreement", lambda: None)
+            mock.patch.object(spec_module, "TensorParallelCollectives", lambda: None)
         )
         yield

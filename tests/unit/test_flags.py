@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -458,6 +459,21 @@ def test_settings_already_validated_are_not_validated_again(
     assert second is not None and second.swap_space_gib == 2 and calls == ["1", "2"]
 
 
+def _dev_shm_full(
+    statvfs: Callable[[str], os.statvfs_result],
+) -> Callable[[str], os.statvfs_result]:
+    """`os.statvfs` that finds no room left on /dev/shm."""
+
+    def patched(path: str) -> os.statvfs_result:
+        fs = statvfs(path)
+        if os.fspath(path) != "/dev/shm":
+            return fs
+        full = (*fs[:3], 0, 0, *fs[5:])  # f_bfree and f_bavail
+        return os.statvfs_result(full)
+
+    return patched
+
+
 def test_replicated_kv_counts_one_host_tier_per_pipeline_stage(
     tiny_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -466,7 +482,6 @@ def test_replicated_kv_counts_one_host_tier_per_pipeline_stage(
     from vllm_cpu_offload.testing.tiny_mla import ENGINE_KWARGS, ensure_tiny_mla
 
     monkeypatch.setattr(flags, "available_host_memory_bytes", lambda: int(1.5 * GIB))
-    monkeypatch.setattr(flags, "shm_room_bytes", lambda: 4 * GIB)
 
     def engine(model: str, **kwargs: object) -> EngineArgs:
         return EngineArgs(
@@ -483,12 +498,11 @@ def test_replicated_kv_counts_one_host_tier_per_pipeline_stage(
     # A model with KV heads: each rank holds its own heads' tier.
     with pytest.raises(OffloadConfigError, match=r"1 GiB x 2 worker\(s\) exceeds"):
         engine(tiny_model).create_engine_config()
-    # A tmpfs too small for the region: each MLA rank falls back to its own copy.
-    monkeypatch.setattr(flags, "shm_room_bytes", lambda: GIB // 2)
-    with pytest.raises(OffloadConfigError, match=r"1 GiB x 2 worker\(s\) exceeds"):
-        engine(mla, **ENGINE_KWARGS).create_engine_config()
-    # Nor does a persistent tier share one: it keeps a file per rank.
-    monkeypatch.setattr(flags, "shm_room_bytes", lambda: 4 * GIB)
+    # The region is not on /dev/shm: a tmpfs too small for it (docker's 64 MiB) does
+    # not matter.
+    monkeypatch.setattr(os, "statvfs", _dev_shm_full(os.statvfs))
+    engine(mla, **ENGINE_KWARGS).create_engine_config()
+    # A persistent tier does not share one: it keeps a file per rank.
     monkeypatch.setattr(flags, "available_host_memory_bytes", lambda: 64 * GIB)
     assert flags.host_tier_copies(
         engine(mla, **ENGINE_KWARGS).create_engine_config(),
