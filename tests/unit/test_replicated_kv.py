@@ -5,6 +5,7 @@ made by the first rank and opened by the others through its descriptor."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -54,7 +55,7 @@ class _Stage:
         self.before_agree = before_agree
         self.vote_no = vote_no
 
-    def region(self, rank: int, name: str = "test-region") -> SharedRegion:
+    def region(self, rank: int, name: str = "vllm-cpu-offload-test-region") -> SharedRegion:
         return SharedRegion(name, _Rank(self, rank), leader=rank == 0)
 
 
@@ -152,7 +153,7 @@ def test_ranks_map_one_region_the_first_rank_stores_and_every_rank_loads() -> No
         _backing(leader_host.tensor),
         _backing(replica_host.tensor),
     )
-    assert path.startswith("/memfd:test-region") and path.endswith("(deleted)")
+    assert path.startswith("/memfd:vllm-cpu-offload-test-region") and path.endswith("(deleted)")
     assert (replica_path, replica_inode) == (path, inode)
     # One memory: a byte written through one rank's view shows in the other's.
     leader_host.tensor[3, 5] = 77
@@ -276,7 +277,7 @@ def test_no_file_in_dev_shm_is_opened_or_made() -> None:
     with open(planted, "wb") as f:
         f.write(b"\xab" * SLOTS * SLOT_BYTES)
     try:
-        before = set(os.listdir(SHM_DIR))
+        before = _listing()
         while_mapped: list[set[str]] = []
         stage = _Stage(2, before_agree=lambda _: while_mapped.append(_listing()))
         leader, replica = _in_ranks(
@@ -294,7 +295,19 @@ def test_no_file_in_dev_shm_is_opened_or_made() -> None:
 
 
 def _listing() -> set[str]:
-    return set(os.listdir(SHM_DIR))
+    # The names a region ever had: other tests' engines (vLLM's own shared memory)
+    # may come and go in /dev/shm meanwhile.
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("vllm-cpu-offload")}
+
+
+def _region_descriptors() -> set[str]:
+    """This process's open descriptors of a region's memory file."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if "vllm-cpu-offload" in os.readlink(f"/proc/self/fd/{fd}"):
+                found.add(fd)
+    return found
 
 
 @pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
@@ -302,7 +315,7 @@ def test_a_rank_that_dies_before_agreeing_leaves_nothing_behind() -> None:
     # A rank is killed between mapping the region and agreeing (OOM, a probe): no
     # file is left in /dev/shm, and no descriptor of the region stays open.
     before = _listing()
-    descriptors = set(os.listdir("/proc/self/fd"))
+    descriptors = _region_descriptors()
     while_mapped: list[set[str]] = []
 
     def die(rank: int) -> None:
@@ -315,4 +328,4 @@ def test_a_rank_that_dies_before_agreeing_leaves_nothing_behind() -> None:
     assert len(errors) == 2, errors  # the dead rank's and its peer's
     assert while_mapped and all(seen == before for seen in while_mapped)
     assert _listing() == before
-    assert set(os.listdir("/proc/self/fd")) == descriptors
+    assert _region_descriptors() == descriptors
