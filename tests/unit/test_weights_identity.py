@@ -1,0 +1,210 @@
+"""A local checkpoint's identity is exact (any changed byte changes it), costs a stat at
+a later start (each file's digest is kept on disk by the file's version), and a Hugging
+Face cache snapshot is identified by its blob names without reading them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_cpu_offload import file_digest
+from vllm_cpu_offload.weights_identity import checkpoint_digest
+
+LONG_AGO = 1_000_000_000  # an mtime well past the settling time, in seconds
+
+
+@pytest.fixture(autouse=True)
+def digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A digest cache of the test's own, and a process that knows no digest yet."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VLLM_CPU_OFFLOAD_CACHE", str(cache))
+    file_digest.forget_in_process()
+    yield cache / "digests"
+    file_digest.forget_in_process()
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The files whose content is read to be hashed, in order."""
+    read: list[Path] = []
+    real = file_digest._read_and_hash
+
+    def counting(path: Path, version: Any) -> tuple[str, bool]:
+        read.append(path)
+        return real(path, version)
+
+    monkeypatch.setattr(file_digest, "_read_and_hash", counting)
+    return read
+
+
+def write_safetensors(folder: Path, layernorm: list[float] | None = None) -> Path:
+    """A checkpoint over 1 MiB: two large weights with a 64-float LayerNorm weight
+    between them, in the middle of the data (off every run of the old sampled
+    digest, which read 16 runs of 4 KiB evenly spaced over the data)."""
+    norm = layernorm if layernorm is not None else [1.0] * 64
+    tensors = {
+        "layers.0.mlp.up.weight": bytes(range(256)) * 4000,
+        "layers.0.norm.weight": struct.pack("<64f", *norm),
+        "layers.0.mlp.down.weight": bytes(range(255, -1, -1)) * 4000,
+    }
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, data in tensors.items():
+        header[name] = {
+            "dtype": "F32" if "norm" in name else "U8",
+            "shape": [len(data) // 4 if "norm" in name else len(data)],
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    weights = folder / "model.safetensors"
+    weights.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values()))
+    settle(weights)
+    return weights
+
+
+def settle(f: Path, seconds: int = LONG_AGO) -> None:
+    """As if `f` had been written long ago (a digest is kept of settled files only)."""
+    os.utime(f, (seconds, seconds))
+
+
+def test_a_layernorm_tuned_copy_has_another_identity(tmp_path: Path) -> None:
+    # LayerNorm tuning: one 64-float tensor differs, same names, shapes and size.
+    base = write_safetensors(tmp_path / "base")
+    tuned = write_safetensors(tmp_path / "tuned", layernorm=[1.5] * 64)
+    assert base.stat().st_size == tuned.stat().st_size > 1 << 20
+    assert checkpoint_digest(base.parent) != checkpoint_digest(tuned.parent)
+    again = write_safetensors(tmp_path / "copy")
+    assert checkpoint_digest(again.parent) == checkpoint_digest(base.parent)
+
+
+def test_a_kept_digest_is_not_read_again(tmp_path: Path, hashed: list[Path]) -> None:
+    # A second start (a new process) pays a stat: the weights are not read.
+    weights = write_safetensors(tmp_path / "model")
+    first = checkpoint_digest(weights.parent)
+    assert weights in hashed
+    file_digest.forget_in_process()
+    hashed.clear()
+    assert checkpoint_digest(weights.parent) == first
+    assert weights not in hashed
+
+
+def test_a_file_rewritten_to_the_same_size_is_read_again(
+    tmp_path: Path, hashed: list[Path]
+) -> None:
+    # A fine-tune written over the base in place: same size, a later mtime.
+    weights = write_safetensors(tmp_path / "model")
+    before = checkpoint_digest(weights.parent)
+    write_safetensors(tmp_path / "model", layernorm=[0.5] * 64)
+    settle(weights, LONG_AGO + 1)
+    file_digest.forget_in_process()
+    hashed.clear()
+    assert checkpoint_digest(weights.parent) != before
+    assert weights in hashed
+
+
+def test_a_file_still_being_written_is_not_kept(
+    tmp_path: Path, hashed: list[Path]
+) -> None:
+    weights = write_safetensors(tmp_path / "model")
+    settle(weights, int(time.time()))
+    checkpoint_digest(weights.parent)
+    file_digest.forget_in_process()
+    hashed.clear()
+    checkpoint_digest(weights.parent)
+    assert weights in hashed
+
+
+def test_processes_of_one_start_read_a_file_once(
+    tmp_path: Path, hashed: list[Path]
+) -> None:
+    # The scheduler and the workers ask together: one reads, the others wait for it.
+    weights = write_safetensors(tmp_path / "model")
+    barrier = threading.Barrier(4)
+    digests: list[str] = []
+
+    def start() -> None:
+        barrier.wait()
+        digests.append(file_digest.file_digest(weights))
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(digests)) == 1 and len(digests) == 4
+    assert hashed == [weights]
+
+
+def test_an_unwritable_cache_still_gives_the_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = write_safetensors(tmp_path / "model")
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("VLLM_CPU_OFFLOAD_CACHE", str(blocked))
+    expected = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert file_digest.file_digest(weights) == expected
+
+
+def hub_cache(root: Path, files: dict[str, bytes], commit: str = "c" * 40) -> Path:
+    """A Hugging Face cache of one model: blobs named by their SHA-256, a snapshot of
+    links to them. Returns the snapshot folder."""
+    repo = root / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        settle(blob)
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob.name))
+    return snapshot
+
+
+def test_a_hub_snapshot_is_named_by_its_blobs_unread(tmp_path: Path) -> None:
+    weights = write_safetensors(tmp_path / "plain")
+    snapshot = hub_cache(tmp_path / "hub", {"model.safetensors": weights.read_bytes()})
+    (snapshot / "config.json").symlink_to(weights.parent / "config.json")
+    # The blob's bytes are not read: zeros under its name leave the identity as is.
+    blob = (snapshot / "model.safetensors").resolve()
+    blob.write_bytes(bytes(blob.stat().st_size))
+    from_hub = checkpoint_digest(snapshot)
+    # A plain copy of the snapshot's files, and a folder linking to it, agree with it.
+    assert checkpoint_digest(weights.parent) == from_hub
+    linked = tmp_path / "linked"
+    linked.symlink_to(snapshot)
+    assert checkpoint_digest(linked) == from_hub
+
+
+def test_a_blob_not_named_by_its_sha256_is_read(tmp_path: Path) -> None:
+    # A cache blob whose name is not 64 hex digits (a Git SHA-1): its content counts.
+    snapshot = hub_cache(tmp_path / "hub", {"tokenizer.json": b"{}"})
+    blob = (snapshot / "tokenizer.json").resolve()
+    renamed = blob.with_name("a" * 40)
+    blob.rename(renamed)
+    (snapshot / "tokenizer.json").unlink()
+    (snapshot / "tokenizer.json").symlink_to(Path("..", "..", "blobs", renamed.name))
+    before = checkpoint_digest(snapshot)
+    renamed.write_bytes(b"[]")
+    assert checkpoint_digest(snapshot) != before
+
+
+def test_one_file_checkpoint(tmp_path: Path) -> None:
+    # A GGUF file served by its path: a change of one byte counts.
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    before = checkpoint_digest(gguf)
+    gguf.write_bytes(b"GGUF" + bytes(99) + b"\1")
+    assert checkpoint_digest(gguf) != before
