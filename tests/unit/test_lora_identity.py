@@ -1,0 +1,185 @@
+"""A LoRA request's block hashes, made by vLLM's own block hasher, depend on the
+adapter's contents once `lora_identity` is installed: an adapter retrained in place
+gets other hashes in the next process, an unchanged one the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core import kv_cache_utils  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from vllm_cpu_offload import file_digest, lora_identity  # noqa: E402
+
+BLOCK_SIZE = 16
+BLOCKS = 8
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BLOCK_SIZE, sha256)
+
+
+@pytest.fixture(autouse=True)
+def fresh_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """vLLM's own LoRA keys during the test (a connector built by an earlier test of
+    this process installed ours), whatever was installed again after it, and no
+    identity known before it."""
+    current = kv_cache_utils._gen_lora_extra_hash_keys
+    vllm_own = getattr(current, "_vllm_lora_keys", current)
+    monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys", vllm_own)
+    monkeypatch.setenv("VLLM_CPU_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    new_process()
+    yield
+    new_process()
+
+
+def new_process() -> None:
+    lora_identity.forget()
+    file_digest.forget_in_process()
+
+
+def write_adapter(folder: Path, scale: float) -> None:
+    """A PEFT adapter folder: its config and a safetensors file of one LoRA tensor."""
+    data = struct.pack("<64f", *([scale] * 64))
+    header = json.dumps(
+        {"lora_A.weight": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256]}}
+    ).encode()
+    folder.mkdir(exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (folder / "adapter_model.safetensors").write_bytes(
+        struct.pack("<Q", len(header)) + header + data
+    )
+    os.utime(folder / "adapter_model.safetensors", (1_000_000_000, 1_000_000_000))
+
+
+def block_hashes(adapter: Path | str) -> list[bytes]:
+    lora = LoRARequest("sql-adapter", 1, str(adapter))
+    request = Request(
+        "r",
+        list(range(BLOCK_SIZE * BLOCKS)),
+        SamplingParams(max_tokens=1),
+        None,
+        lora_request=lora,
+        block_hasher=HASHER,
+    )
+    assert len(request.block_hashes) == BLOCKS
+    return list(request.block_hashes)
+
+
+def test_vllm_alone_keys_an_adapter_by_its_name_and_path(tmp_path: Path) -> None:
+    # The defect: retrained in place, the adapter's blocks keep their hashes.
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, 1.0)
+    before = block_hashes(adapter)
+    write_adapter(adapter, 2.0)
+    assert block_hashes(adapter) == before
+
+
+def test_an_adapter_retrained_in_place_gets_other_hashes(tmp_path: Path) -> None:
+    # A restart of the file tier after the adapter was retrained at the same path.
+    lora_identity.install()
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, 1.0)
+    before = block_hashes(adapter)
+    new_process()
+    write_adapter(adapter, 2.0)
+    assert block_hashes(adapter) != before
+
+
+def test_an_unchanged_adapter_keeps_its_hashes(tmp_path: Path) -> None:
+    # Hosts of a fleet holding equal adapter files (rewritten, same bytes): one key.
+    lora_identity.install()
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, 1.0)
+    before = block_hashes(adapter)
+    new_process()
+    write_adapter(adapter, 1.0)
+    assert block_hashes(adapter) == before
+    lora_identity.install()  # a second connector in the process changes nothing
+    assert block_hashes(adapter) == before
+
+
+def test_requests_without_lora_are_hashed_as_before() -> None:
+    tokens = list(range(BLOCK_SIZE * 2))
+    params = SamplingParams(max_tokens=1)
+    plain = Request("a", tokens, params, None, block_hasher=HASHER).block_hashes
+    lora_identity.install()
+    assert Request("b", tokens, params, None, block_hasher=HASHER).block_hashes == plain
+
+
+def test_the_adapter_is_read_once_per_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM asks once per block: the adapter's files are read at the first block only.
+    digests: list[Path] = []
+    real = lora_identity.checkpoint_digest
+
+    def counting(path: Path) -> str:
+        digests.append(path)
+        return real(path)
+
+    monkeypatch.setattr(lora_identity, "checkpoint_digest", counting)
+    lora_identity.install()
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, 1.0)
+    block_hashes(adapter)
+    block_hashes(adapter)
+    assert digests == [adapter]
+
+
+def test_a_hub_adapter_is_this_process_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A hub id is resolved by the workers: nothing here names its contents.
+    lora_identity.install()
+    before = block_hashes("org/sql-adapter")
+    assert block_hashes("org/sql-adapter") == before
+    new_process()
+    monkeypatch.setattr(lora_identity, "_PROCESS_TOKEN", "another process")
+    assert block_hashes("org/sql-adapter") != before
+
+
+def test_the_scheduler_half_installs_it(tiny_model: str) -> None:
+    # The engine core's half of the connector, where vLLM hashes blocks.
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    from vllm_cpu_offload.connector import CPUOffloadConnector
+
+    vllm_own = kv_cache_utils._gen_lora_extra_hash_keys
+    config = VllmConfig(
+        model_config=ModelConfig(model=tiny_model),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="CPUOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"swap_space_gib": 16 * 4 * BLOCK_SIZE / 2**30},
+        ),
+    )
+    config.cache_config.kv_cache_layout = "LBNHC"
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    kv_config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    CPUOffloadConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    installed = kv_cache_utils._gen_lora_extra_hash_keys
+    assert installed is not vllm_own
+    assert installed._vllm_lora_keys is vllm_own  # type: ignore[attr-defined]
