@@ -55,6 +55,23 @@ def test_a_bad_hint_is_ignored_with_one_warning_naming_each(
     assert "max_offload_tokens=1.5" in second
 
 
+def test_a_huge_infinite_or_nan_hint_is_capped_or_ignored_never_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Past the cap, however far (an int no float can hold, infinity), `retain` is the
+    # cap; NaN is no number of seconds; a cap on stores past any request caps nothing.
+    assert _hints({"retain": 10**400}, max_retain_s=60).retain_s == 60.0
+    assert _hints({"retain": float("inf")}, max_retain_s=60).retain_s == 60.0
+    assert _hints({"retain": 10**400}).retain_s == 600.0
+    assert _hints({"max_offload_tokens": 10**400}).max_offload_tokens == 10**400
+    with caplog.at_level(logging.WARNING):
+        assert _hints({"retain": float("nan")}) == NO_HINTS
+        assert _hints({"retain": -(10**5000), "done": float("nan")}) == NO_HINTS
+    nan, huge = (r.getMessage() for r in caplog.records)
+    assert "retain=nan" in nan
+    assert "retain=<an int of 16610 bits>" in huge and "done=nan" in huge
+
+
 # ---- retention over the real pool ----
 
 
@@ -274,6 +291,18 @@ def test_max_offload_tokens_caps_what_a_request_stores() -> None:
     assert len(store.host_block_ids) == 1  # 5 tokens: one whole 4-token block
     none = _request("b", list(range(100, 113)), max_offload_tokens=0)
     assert not _prefill(engine, none).stores
+
+
+def test_hints_past_any_float_go_through_the_scheduler() -> None:
+    # A 400-digit `retain` keeps the prefix for `max_retain_s`, a 400-digit
+    # `max_offload_tokens` stores all of it. (vLLM 0.32 refuses ints past 64 bits in
+    # `extra_args`; the hints are set on the request past that check.)
+    engine = Engine(host_blocks=8)
+    engine.tier.retention.budget = 4
+    request = _request("h", list(range(13)), retain=1)
+    request.kv_transfer_params = {"retain": 10**400, "max_offload_tokens": 10**400}
+    _finish(engine, request)
+    assert engine.tier.stats.retained_blocks == 3
 
 
 def test_a_retained_prefix_survives_a_flood_and_is_read_again() -> None:

@@ -10,6 +10,7 @@ tier reads:
     retain              true | s > 0  the prefix will be read again (the next turn, the
                                       agent's next step): keep its blocks from
                                       eviction until then, or for s seconds
+                                      (at most `max_retain_s`, however large s)
     done                true          the session ended: its blocks go first
 
 A hint of the wrong type or range is ignored with one warning for the request, never
@@ -55,12 +56,12 @@ def hints_of(request: Any, *, max_retain_s: float) -> RequestHints:
     bad: list[str] = []
     max_tokens = params.get("max_offload_tokens")
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
-        bad.append(f"max_offload_tokens={max_tokens!r} (an int >= 0)")
+        bad.append(f"max_offload_tokens={_shown(max_tokens)} (an int >= 0)")
         max_tokens = None
-    retain_s = _retain_seconds(params.get("retain"), bad)
+    retain_s = _retain_seconds(params.get("retain"), max_retain_s, bad)
     done = params.get("done", False)
     if done not in (True, False):
-        bad.append(f"done={done!r} (true or false)")
+        bad.append(f"done={_shown(done)} (true or false)")
         done = False
     if bad:
         logger.warning(
@@ -68,17 +69,31 @@ def hints_of(request: Any, *, max_retain_s: float) -> RequestHints:
             getattr(request, "request_id", "?"),
             "; ".join(bad),
         )
-    if retain_s is not None:
-        retain_s = min(retain_s, max_retain_s)
     return RequestHints(max_tokens, retain_s, bool(done))
 
 
-def _retain_seconds(value: Any, bad: list[str]) -> float | None:
+def _retain_seconds(value: Any, max_retain_s: float, bad: list[str]) -> float | None:
+    """`retain` in seconds, at most `max_retain_s`."""
     if value is None or value is False:
         return None
     if value is True:
-        return DEFAULT_RETAIN_S
+        return min(DEFAULT_RETAIN_S, max_retain_s)
+    # Exact types: a bool is an int, and JSON gives no other subclass. NaN is not
+    # > 0. An int is compared with the cap before it becomes a float, which one
+    # past 1e308 cannot (OverflowError); an infinite float is capped like any other.
     if type(value) in (int, float) and value > 0:
-        return float(value)
-    bad.append(f"retain={value!r} (true, or seconds > 0)")
+        return float(min(value, max_retain_s))
+    bad.append(f"retain={_shown(value)} (true, or seconds > 0)")
     return None
+
+
+def _shown(value: Any) -> str:
+    """`value` for the warning, cut short; never raises (the repr of an int past
+    4,300 digits does)."""
+    if isinstance(value, int) and value.bit_length() > 1024:
+        return f"<an int of {value.bit_length()} bits>"
+    try:
+        text = repr(value)
+    except Exception:  # a Python object's own repr, through `LLM`
+        return f"<a {type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
