@@ -2,23 +2,30 @@
 persistent tier's fingerprint and the shared tier's namespace are both made.
 
 Two engines may exchange a block only when they would have written the same bytes for
-it. Those depend on:
-- the weights actually loaded (`weights_identity`), how they were loaded and quantized
-  (`--quantization`, its config), the dtype, the speculative method and draft model
-  (their layers' KV is in the same blocks);
-- what reshapes the model's attention: `hf_overrides` and the rope parameters;
-- how K and V are stored: the KV-cache dtype and the layers it skips (their scales come
-  with the weights), the attention backend named in the config, and the resolved KV
-  cache layout, which fixes the byte order inside a block (`LBNHC` is vLLM's NHD,
-  `LBHNC` its HND: the same block size, other bytes);
-- the blocks: block size, host block size, KV cache groups;
-- each rank's share: pipeline and context parallel sizes, and the tensor-parallel size
-  only where a block's values in the shared store depend on it (`kv_sharding`: MLA's
-  KV is whole on every rank, sharded attention is stored one KV head per value);
-- the keys: the prefix-caching hash and a digest of its seed; the vLLM release.
-`max_model_len` and the scheduler's settings change no byte and stay out. With
-`VLLM_ATTENTION_BACKEND` gone in vLLM 0.32, a backend chosen automatically is the
-platform's; the layout it resolves is recorded either way.
+it. The model's layers compute K and V from what vLLM's configs hold, so the identity
+takes vLLM's own digests of them rather than a list of fields kept here: each config's
+`compute_hash`, which vLLM keeps complete for its compilation cache (a field that
+changes the forward pass and is left out of it would serve stale compiled graphs):
+- the model config: the model's whole Hugging Face config as resolved (rope
+  parameters and their dynamic and long-context variants, sliding windows, attention
+  sinks, soft-capping, head sizes; `hf_overrides` already applied), `max_model_len`
+  (LongRoPE picks its long or short factors by it), dtype, quantization, model
+  implementation and every other field vLLM does not rule out of the forward pass;
+- the cache config: the KV-cache dtype, the layers it skips, the resolved KV cache
+  layout (the byte order inside a block), block size, window settings;
+- the attention config: the backend chosen and its numerics settings.
+Around them: the weights actually loaded (`weights_identity`), the load format, the
+speculative method and draft model (their layers' KV is in the same blocks),
+`max_model_len` as the layers were built with it (vLLM builds them before it may shrink
+the length to fit memory), the host block size and KV cache groups, each rank's share
+(pipeline parallel size, and the tensor-parallel size only where a block's values in
+the shared store depend on it: `kv_sharding`), the keys' hash and a digest of its
+seed, the vLLM release. A few fields are repeated by name (dtype, rope, KV cache dtype
+and layout) so that a tier that starts empty can say why in one line
+(`persist.fingerprint.differences`).
+
+vLLM's digests may also hold fields that change no byte (sampling defaults, sleep mode);
+engines that differ in them share nothing: the safe way to be wrong.
 
 Where nothing identifies the weights, `weights` is None: the shared tier shares nothing
 and the persistent tier restores nothing, and `unshared_notice` says so in one line.
@@ -52,15 +59,20 @@ def kv_identity(
     parallel = vllm_config.parallel_config
     load = vllm_config.load_config
     speculative = vllm_config.speculative_config
+    # vLLM's digests of what its layers read (see the module docstring).
+    digests = {
+        name: _config_digest(getattr(vllm_config, name)) for name in CONFIG_DIGESTS
+    }
     return {
         "vllm": vllm.__version__.split("+")[0],
         "model": str(model.model),
-        "weights": weights_identity(model, load.download_dir),
+        "weights": weights_identity(model, load.download_dir)
+        if all(digests.values())
+        else None,
         "load_format": str(load.load_format),
+        **digests,
+        "max_model_len": _built_model_len(model),
         "dtype": str(model.dtype),
-        "quantization": _jsonable(model.quantization),
-        "quantization_config": _jsonable(model.quantization_config),
-        "hf_overrides": _jsonable(model.hf_overrides),
         "rope": _rope_of(model),
         "speculative": (
             None
@@ -68,9 +80,7 @@ def kv_identity(
             else _jsonable([speculative.method, speculative.model])
         ),
         "kv_cache_dtype": str(cache.cache_dtype),
-        "kv_cache_dtype_skip_layers": _jsonable(cache.kv_cache_dtype_skip_layers),
         "kv_cache_layout": _layout_of(cache),
-        "attention_backend": _backend_of(vllm_config.attention_config),
         "block_size": int(cache.block_size),
         "blocks_per_host_block": blocks_per_host_block,
         "kv_cache_groups": [repr(g) for g in groups],
@@ -82,13 +92,24 @@ def kv_identity(
             else int(parallel.tensor_parallel_size)
         ),
         "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
-        "context_parallel_sizes": [
-            int(parallel.prefill_context_parallel_size),
-            int(parallel.decode_context_parallel_size),
-        ],
+        "context_parallel_sizes": list(context_parallel_sizes(vllm_config)),
         "hash_algo": str(cache.prefix_caching_hash_algo),
         "hash_seed": _seed_digest(),
     }
+
+
+# The configs whose vLLM digest is part of the identity (`kv_identity`).
+CONFIG_DIGESTS = ("model_config", "cache_config", "attention_config")
+
+
+def _config_digest(config: Any) -> str | None:
+    """vLLM's digest of `config`; None where vLLM cannot make one (a remote-code Hugging
+    Face config holding objects it cannot normalise): then nothing identifies the
+    engine, as for weights nothing names."""
+    try:
+        return str(config.compute_hash())
+    except (TypeError, ValueError):
+        return None
 
 
 # How a block's KV is spread over the tensor-parallel ranks (`kv_sharding`).
@@ -108,7 +129,7 @@ def host_region_per_stage(vllm_config: Any, swap_space_path: str | None) -> bool
     (worker/shared_region.py) instead of a copy each: replicated KV on more than one
     rank, without a persistent tier (which keeps a file per rank)."""
     return (
-        kv_is_replicated(vllm_config)
+        kv_sharding(vllm_config) == REPLICATED
         and int(vllm_config.parallel_config.tensor_parallel_size) > 1
         and swap_space_path is None
     )
@@ -123,22 +144,30 @@ def kv_sharding(vllm_config: Any) -> str:
     - `RANKS`: neither (context parallelism also splits the tokens), or the user
       chose values per rank (`remote_values`): a rank's bytes mean something only to
       a rank of the same TP size."""
+    if max(context_parallel_sizes(vllm_config)) > 1:
+        # Each rank holds its own tokens of a block: no rank's bytes are another's,
+        # replicated (MLA) or not.
+        return RANKS
     if kv_is_replicated(vllm_config):
         return REPLICATED
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(transfer, "kv_connector_extra_config", None) or {}
     if extra.get("remote_values") == "per_rank":
         return RANKS
+    heads = total_kv_heads(vllm_config)
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if heads < 1 or (heads % tp and tp % heads):
+        return RANKS
+    return HEADS
+
+
+def context_parallel_sizes(vllm_config: Any) -> tuple[int, int]:
+    """The prefill and decode context-parallel sizes (1 where vLLM has none)."""
     parallel = vllm_config.parallel_config
-    context_parallel = max(
+    return (
         int(getattr(parallel, "prefill_context_parallel_size", 1)),
         int(getattr(parallel, "decode_context_parallel_size", 1)),
     )
-    heads = total_kv_heads(vllm_config)
-    tp = int(parallel.tensor_parallel_size)
-    if context_parallel > 1 or heads < 1 or (heads % tp and tp % heads):
-        return RANKS
-    return HEADS
 
 
 def total_kv_heads(vllm_config: Any) -> int:
@@ -175,6 +204,15 @@ def unshared_notice(vllm_config: Any, *, persisted: bool, shared: bool) -> str |
     return f"CPU offload: nothing identifies {what}, so {' and '.join(effects)}; {fix}"
 
 
+def _built_model_len(model: Any) -> Any:
+    # With `--max-model-len -1` vLLM builds the layers at the model's whole length and
+    # then shrinks `max_model_len` to what fits in memory: the layers saw the former
+    # (a function of the Hugging Face config, in `model_config`), not the latter.
+    if getattr(model, "original_max_model_len", None) == -1:
+        return "auto"
+    return int(model.max_model_len)
+
+
 def _rope_of(model: Any) -> Any:
     # Transformers 5 and vLLM fold rope_scaling and rope_theta into rope_parameters;
     # a config that predates it keeps them apart.
@@ -193,12 +231,6 @@ def _layout_of(cache: Any) -> str | None:
     # variable is what resolution will honour where a test builds a config by hand.
     layout = cache.kv_cache_layout or os.getenv("VLLM_KV_CACHE_LAYOUT")
     return None if layout is None else str(layout)
-
-
-def _backend_of(attention: Any) -> Any:
-    return _jsonable(
-        {"backend": attention.backend, "per_kind": attention.backend_per_kind}
-    )
 
 
 def _seed_digest() -> str:

@@ -100,9 +100,6 @@ CHANGES = {
         lambda: {"full_attention": _backend("FLEX_ATTENTION")},
     ),
     "weight-quantization-fp8": _set("model_config.quantization", lambda: "fp8"),
-    "hf-overrides": _set(
-        "model_config.hf_overrides", lambda: {"max_position_embeddings": 8192}
-    ),
     "rope-scaling": _set(
         "model_config.hf_text_config.rope_parameters",
         lambda: {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_cpu_offload.errors import OffloadConfigError
-from vllm_cpu_offload.kv_identity import kv_identity
+from vllm_cpu_offload.kv_identity import CONFIG_DIGESTS, kv_identity
 
 # vLLM's non-cryptographic prefix-caching hashes: a random per-process NONE_HASH seed
 # unless PYTHONHASHSEED is set.
@@ -85,8 +85,12 @@ def this_ranks() -> tuple[int, int]:
 
 
 def differences(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """The fields two fingerprints disagree on, for a one-line message."""
-    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    """The fields two fingerprints disagree on, for a one-line message: the named
+    ones first, then vLLM's config digests (which hold the named ones too)."""
+    keys = sorted(
+        (k for k in set(old) | set(new) if old.get(k) != new.get(k)),
+        key=lambda k: (k in CONFIG_DIGESTS, k),
+    )
     return ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:4]) + (
         ", ..." if len(keys) > 4 else ""
     )
