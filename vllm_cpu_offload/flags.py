@@ -46,6 +46,7 @@ from vllm_cpu_offload.config import (
 )
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.kv_identity import host_region_per_stage
+from vllm_cpu_offload.kv_shards import check_context_parallelism
 from vllm_cpu_offload.persist.directory import check_tier_directory, check_tier_fits
 from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
 from vllm_cpu_offload.remote.registry import check_remote_url
@@ -116,6 +117,8 @@ _SETTINGS_READ = (
     "kv_offloading_size",
     "tensor_parallel_size",
     "pipeline_parallel_size",
+    "prefill_context_parallel_size",
+    "decode_context_parallel_size",
 )
 
 
@@ -179,6 +182,10 @@ def _resolve_offload(engine_args: Any) -> OffloadConfig | None:
         config = dataclasses.replace(
             base, swap_space_gib=gib, swap_space_path=path, remote_url=url
         )
+    check_context_parallelism(
+        int(getattr(engine_args, "prefill_context_parallel_size", 1) or 1),
+        int(getattr(engine_args, "decode_context_parallel_size", 1) or 1),
+    )
     if getattr(engine_args, "kv_offloading_size", None) is not None:
         raise OffloadConfigError(
             "--enable-cpu-offload cannot be combined with vLLM's own "

@@ -19,11 +19,15 @@ from vllm.logger import init_logger
 from vllm_cpu_offload.config import OffloadConfig
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.kv_identity import (
+    context_parallel_sizes,
     host_region_per_stage,
-    kv_is_replicated,
     unshared_notice,
 )
-from vllm_cpu_offload.kv_shards import shard_names, worker_shards
+from vllm_cpu_offload.kv_shards import (
+    check_context_parallelism,
+    shard_names,
+    worker_shards,
+)
 from vllm_cpu_offload.persist.block_index import BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.persist.fingerprint import (
@@ -94,6 +98,8 @@ class OffloadSpec:
         self.config = OffloadConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )
+        # Also where a kv_transfer_config names the connector without the flags.
+        check_context_parallelism(*context_parallel_sizes(vllm_config))
         self.block_size = vllm_config.cache_config.block_size
         self.kv_groups = kv_groups_of(kv_cache_config, self.block_size)
         # A host block holds k device blocks; the worker's host buffer has k slots
@@ -125,7 +131,6 @@ class OffloadSpec:
         self.namespace = namespace
         # MLA: every tensor-parallel rank holds the same KV, stored once per engine
         # (kv_shards.py). The persistent tier keeps a file per rank.
-        self.kv_replicated = kv_is_replicated(vllm_config)
         self.shares_host_region = host_region_per_stage(
             vllm_config, self.config.swap_space_path
         )

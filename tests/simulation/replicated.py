@@ -50,10 +50,9 @@ def replicated_kv(on: bool) -> Iterator[None]:
         return True
 
     with contextlib.ExitStack() as stack:
-        for module in (kv_identity_module, spec_module):
-            stack.enter_context(
-                mock.patch.object(module, "kv_is_replicated", replicated)
-            )
+        stack.enter_context(
+            mock.patch.object(kv_identity_module, "kv_is_replicated", replicated)
+        )
         stack.enter_context(
             mock.patch.object(spec_module, "SharedRegion", SimSharedRegion)
         )

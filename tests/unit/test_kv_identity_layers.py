@@ -200,3 +200,55 @@ def test_context_parallel_kv_is_each_ranks_own_even_for_mla(
     setattr(config.parallel_config, f"{context}_context_parallel_size", 2)
     assert kv_sharding(config) == RANKS
     assert not host_region_per_stage(config, None)
+
+
+@pytest.mark.parametrize(
+    "flag", ["decode_context_parallel_size", "prefill_context_parallel_size"]
+)
+def test_context_parallelism_is_refused_before_the_engine_starts_in_one_line(
+    tiny_model: str, flag: str
+) -> None:
+    # Each rank would cache its own share of a block's tokens: refused, never run.
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_cpu_offload.errors import OffloadConfigError
+
+    args = EngineArgs(
+        model=tiny_model, enable_cpu_offload=True, swap_space="0.01", **{flag: 2}
+    )  # type: ignore[call-arg]
+    with pytest.raises(OffloadConfigError) as info:
+        args.create_engine_config()
+    message = str(info.value)
+    assert "\n" not in message and f"--{flag.replace('_', '-')} 1" in message
+
+
+def test_a_connector_named_without_the_flags_refuses_context_parallelism(
+    tiny_model: str,
+) -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    from vllm_cpu_offload.errors import OffloadConfigError
+    from vllm_cpu_offload.spec import OffloadSpec
+
+    config = vllm_config(tiny_model)
+    config.parallel_config.decode_context_parallel_size = 2
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="CPUOffloadConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"swap_space_gib": 0.01},
+    )
+    spec = FullAttentionSpec(
+        block_size=32, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    kv_config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    with pytest.raises(OffloadConfigError, match="context parallelism"):
+        OffloadSpec(config, kv_config)
