@@ -1,13 +1,15 @@
 """One simulated fleet: three engines (TP ranks each) on one store, driven by a seed.
 
 Engine A, its twin A2 (same fingerprint: they read each other's blocks from the store)
-and B (another fingerprint). Each is vLLM's real `Scheduler` (our scheduler half inside
-it) and one worker half per TP rank, whose reports vLLM's own `KVOutputAggregator`
-joins. A and B run at the run's TP size (`--tp`); A2 runs at another size of
-{1, 2, 4} on two seeds of every three (`seed % 3 != 2`; of the two other sizes, the
-larger on seeds 0-2, 6-8, ..., the smaller on seeds 3-5, 9-11, ...: seeds 0-5 at TP 1,
-2 and 4 pair every size with every other both ways, and seed 3, MLA-style, has A2 at
-TP=1), and at A's size on the third (`World.twin_tp`). The shared store keeps one
+and B, whose KV differs from theirs in one of the ways of `identities.py` (by seed: a
+config override, the length a LongRoPE model runs at, a fine-tuned LayerNorm under the
+same path, a config field no list names). Each is vLLM's real `Scheduler` (our scheduler
+half inside it) and one worker half per TP rank, whose reports vLLM's own
+`KVOutputAggregator` joins. A and B run at the run's TP size (`--tp`); A2 runs at
+another size of {1, 2, 4} on two seeds of every three (`seed % 3 != 2`; of the two other
+sizes, the larger on seeds 0-2, 6-8, ..., the smaller on seeds 3-5, 9-11, ...: seeds 0-5
+at TP 1, 2 and 4 pair every size with every other both ways, and seed 3, MLA-style, has
+A2 at TP=1), and at A's size on the third (`World.twin_tp`). The shared store keeps one
 value per KV head (`kv_shards.py`) under a namespace without the TP size, so a TP=1
 engine reads a TP=2 or TP=4 engine's blocks and the reverse; the replay line needs no
 more than the seed and A's TP size.
@@ -31,7 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shutil
 import subprocess
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -42,6 +46,7 @@ from unittest import mock
 
 import torch
 
+from tests.simulation.identities import MAX_MODEL_LEN, identities_of
 from tests.simulation.late_copies import CopyFaults, LateCopies
 from tests.simulation.mooncake_client import SimMooncakeStore
 from tests.simulation.oracle import Oracle, head_of
@@ -161,23 +166,31 @@ class World:
         ]
         # Engine A2 is A's twin (same fingerprint, at `twin_tp`): it reads what A
         # wrote to the store and the reverse. Engine B differs in what its KV depends
-        # on (a config override): it must never read their blocks, nor they its.
-        # A2 reaches the store through the product's Mooncake adapter (over a
-        # simulated Mooncake client): its call thread, timeouts, recoveries and
-        # registrations run as they do against a real master.
+        # on, in one of the ways of `identities.py`: it must never read their blocks,
+        # nor they its. A2 reaches the store through the product's Mooncake adapter
+        # (over a simulated Mooncake client): its call thread, timeouts, recoveries
+        # and registrations run as they do against a real master.
+        self._folder = Path(tempfile.mkdtemp(prefix="vco-sim-"))
+        self.identities = identities_of(seed, model, self._folder)
+        same = self.identities.model
         with replicated_kv(self.replicated):
             self.engines = [
-                self._engine("A", model, None, tp, salt=0x000000),
+                self._engine("A", same, None, tp, salt=0x000000),
                 self._engine(
-                    "A2",
-                    model,
-                    None,
-                    self.twin_tp,
-                    salt=0x000000,
-                    store=MOONCAKE_STORE,
+                    "A2", same, None, self.twin_tp, salt=0x000000, store=MOONCAKE_STORE
                 ),
-                self._engine("B", model, {"rope_theta": 20000.0}, tp, salt=0x5A5A5A),
             ]
+            with self.identities.building_b():
+                self.engines.append(
+                    self._engine(
+                        "B",
+                        same,
+                        self.identities.b_overrides,
+                        tp,
+                        salt=0x5A5A5A,
+                        max_model_len=self.identities.b_max_model_len,
+                    )
+                )
 
     # ---- building ----
 
@@ -189,6 +202,7 @@ class World:
         tp: int,
         salt: int,
         store: str = SIM_STORE,
+        max_model_len: int = MAX_MODEL_LEN,
     ) -> Engine:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -207,7 +221,7 @@ class World:
             block_size=BLOCK_SIZE,
             max_num_seqs=8,
             max_num_batched_tokens=128,
-            max_model_len=512,
+            max_model_len=max_model_len,
             dtype="float32",
             hf_overrides=overrides,
             kv_connector="CPUOffloadConnector",
@@ -221,6 +235,9 @@ class World:
             },
             kv_load_failure_policy="recompute",
         )
+        # vLLM's helper gives the length to the scheduler only; the layers read the
+        # model config's (`--max-model-len` sets both).
+        config.model_config.max_model_len = max_model_len
         config.parallel_config.tensor_parallel_size = tp
         config.scheduler_config.async_scheduling = self.async_scheduling
         heads = [_heads_of(worker_shards(config, r, 0)) for r in range(tp)]
@@ -656,7 +673,8 @@ class World:
     def shape(self) -> str:
         """The engines' TP sizes and the KV's kind, e.g. `A tp 2, A2 tp 4, B tp 2`."""
         sizes = ", ".join(f"{e.name} tp {len(e.ranks)}" for e in self.engines)
-        return f"{sizes}{', replicated KV' if self.replicated else ''}"
+        kv = ", replicated KV" if self.replicated else ""
+        return f"{sizes}{kv}, B differs by {self.identities.kind}"
 
     def summary(self) -> str:
         """What the run exercised, summed over the engines, and the store values each
@@ -745,6 +763,7 @@ class World:
                 engine.scheduler.connector.shutdown()
         self.backend.close()
         BACKENDS.pop(self.name, None)
+        shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def _heads_of(shards: Any) -> tuple[int, ...]:

@@ -1,0 +1,97 @@
+"""How engine B's KV differs from A's: on each seed, one of the ways two engines on one
+store can compute other bytes for the same tokens.
+
+- `rope-theta`: B's config overrides the rope base;
+- `max-model-len`: a LongRoPE model (Phi-3's long-context rope), A and A2 started at its
+  original length (short factors), B at twice it (long factors): K differs, and nothing
+  in the model's files does;
+- `fine-tuned-norm`: B serves, under the same path, a checkpoint in which one
+  LayerNorm weight of 256 values differs (a fine-tune of small tensors, merged in
+  place): the weights' files differ in 512 bytes of several MiB;
+- `soft-cap`: B's config sets an attention soft-cap, a field no list of the product
+  names.
+
+Every engine of a seed serves one model folder of its own (a copy of the tiny model,
+made for the world), so that only the difference above tells B from A. The oracle gives
+each engine the values of its own KV, and refuses two engines of other KV under one
+namespace; a tier that took B's blocks for A's reads shows as wrong values.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KINDS = ("rope-theta", "max-model-len", "fine-tuned-norm", "soft-cap")
+# The length the engines run at, and a LongRoPE model's original length.
+MAX_MODEL_LEN = 512
+
+
+@dataclass(frozen=True)
+class Identities:
+    """What A and A2 (alike) and B are built with."""
+
+    kind: str
+    model: str
+    b_overrides: dict[str, Any] | None = None
+    b_max_model_len: int = MAX_MODEL_LEN
+    # Rewrites the model's files for B's start (and back after it).
+    b_files: Callable[[Path], None] | None = field(default=None, compare=False)
+
+    @contextmanager
+    def building_b(self) -> Iterator[None]:
+        """While B is built: its files in place of A's, at the same path."""
+        if self.b_files is None:
+            yield
+            return
+        weights = Path(self.model) / "model.safetensors"
+        original = weights.read_bytes()
+        self.b_files(weights)
+        try:
+            yield
+        finally:
+            weights.write_bytes(original)
+
+
+def identities_of(seed: int, base_model: str, folder: Path) -> Identities:
+    """B's difference on `seed`, over a copy of `base_model` in `folder`."""
+    kind = KINDS[seed % len(KINDS)]
+    model = folder / "model"
+    shutil.copytree(base_model, model)
+    if kind == "rope-theta":
+        return Identities(kind, str(model), b_overrides={"rope_theta": 20000.0})
+    if kind == "max-model-len":
+        _long_rope(model)
+        return Identities(kind, str(model), b_max_model_len=2 * MAX_MODEL_LEN)
+    if kind == "fine-tuned-norm":
+        return Identities(kind, str(model), b_files=_tune_one_norm)
+    return Identities(kind, str(model), b_overrides={"attn_logit_softcapping": 30.0})
+
+
+def _long_rope(model: Path) -> None:
+    config_file = model / "config.json"
+    config = json.loads(config_file.read_text())
+    half = config["head_dim"] // 2
+    config["original_max_position_embeddings"] = MAX_MODEL_LEN
+    config["rope_scaling"] = {
+        "type": "longrope",
+        "short_factor": [1.0] * half,
+        "long_factor": [2.0 + i / half for i in range(half)],
+    }
+    config_file.write_text(json.dumps(config))
+
+
+def _tune_one_norm(weights: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights))
+    norm = "model.layers.1.input_layernorm.weight"
+    tensors[norm] = tensors[norm] * 1.25
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert tensors[norm].dtype == torch.bfloat16
