@@ -55,7 +55,9 @@ class _Stage:
         self.before_agree = before_agree
         self.vote_no = vote_no
 
-    def region(self, rank: int, name: str = "vllm-cpu-offload-test-region") -> SharedRegion:
+    def region(
+        self, rank: int, name: str = "vllm-cpu-offload-test-region"
+    ) -> SharedRegion:
         return SharedRegion(name, _Rank(self, rank), leader=rank == 0)
 
 
@@ -153,7 +155,9 @@ def test_ranks_map_one_region_the_first_rank_stores_and_every_rank_loads() -> No
         _backing(leader_host.tensor),
         _backing(replica_host.tensor),
     )
-    assert path.startswith("/memfd:vllm-cpu-offload-test-region") and path.endswith("(deleted)")
+    assert path.startswith("/memfd:vllm-cpu-offload-test-region") and path.endswith(
+        "(deleted)"
+    )
     assert (replica_path, replica_inode) == (path, inode)
     # One memory: a byte written through one rank's view shows in the other's.
     leader_host.tensor[3, 5] = 77
