@@ -103,9 +103,9 @@ CONFIG_DIGESTS = ("model_config", "cache_config", "attention_config")
 
 
 def _config_digest(config: Any) -> str | None:
-    """vLLM's digest of `config`; None where vLLM cannot make one (a remote-code Hugging
-    Face config holding objects it cannot normalise): then nothing identifies the
-    engine, as for weights nothing names."""
+    """The digest vLLM makes of `config`; None where it cannot make one (a remote-code
+    Hugging Face config holding objects it cannot normalise): then nothing identifies
+    the engine, as for weights nothing names."""
     try:
         return str(config.compute_hash())
     except (TypeError, ValueError):

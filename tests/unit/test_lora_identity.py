@@ -32,9 +32,9 @@ HASHER = get_request_block_hasher(BLOCK_SIZE, sha256)
 
 @pytest.fixture(autouse=True)
 def fresh_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """vLLM's own LoRA keys during the test (a connector built by an earlier test of
-    this process installed ours), whatever was installed again after it, and no
-    identity known before it."""
+    """The LoRA keys of vLLM itself during the test (a connector built by an earlier
+    test of this process installed ours), whatever was installed again after it, and
+    no identity known before it."""
     current = kv_cache_utils._gen_lora_extra_hash_keys
     vllm_own = getattr(current, "_vllm_lora_keys", current)
     monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys", vllm_own)
