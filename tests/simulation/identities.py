@@ -9,7 +9,12 @@ store can compute other bytes for the same tokens.
   LayerNorm weight of 256 values differs (a fine-tune of small tensors, merged in
   place): the weights' files differ in 512 bytes of several MiB;
 - `soft-cap`: B's config sets an attention soft-cap, a field no list of the product
-  names.
+  names;
+- `lora-retrained`: the same model on every engine (B's KV for plain requests is A's:
+  they share it), and half the requests name one LoRA adapter, by one name and path,
+  whose files B's host holds retrained (other bytes): B's adapter requests must not
+  take A's blocks, nor A B's. Each engine is a process of its own there, with the
+  adapter's identity that process worked out (`World` keeps one per engine).
 
 Every engine of a seed serves one model folder of its own (a copy of the tiny model,
 made for the world), so that only the difference above tells B from A. The oracle gives
@@ -27,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KINDS = ("rope-theta", "max-model-len", "fine-tuned-norm", "soft-cap")
+KINDS = ("rope-theta", "max-model-len", "fine-tuned-norm", "soft-cap", "lora-retrained")
+# The adapter requests of `lora-retrained` name.
+ADAPTER_NAME, ADAPTER_ID = "sim-adapter", 1
 # The length the engines run at, and a LongRoPE model's original length.
 MAX_MODEL_LEN = 512
 
@@ -40,22 +47,30 @@ class Identities:
     model: str
     b_overrides: dict[str, Any] | None = None
     b_max_model_len: int = MAX_MODEL_LEN
-    # Rewrites the model's files for B's start (and back after it).
-    b_files: Callable[[Path], None] | None = field(default=None, compare=False)
+    # A file B's host holds other bytes of, and how (put in place for B's start and
+    # for what B's process works out of it, and back after).
+    b_file: Path | None = None
+    b_rewrite: Callable[[Path], None] | None = field(default=None, compare=False)
+    # The LoRA adapter folder requests name (`lora-retrained`), else None.
+    adapter: str | None = None
+
+    @property
+    def b_kv_differs(self) -> bool:
+        """Whether B's KV differs from A's for every request (not only for some)."""
+        return self.kind != "lora-retrained"
 
     @contextmanager
-    def building_b(self) -> Iterator[None]:
-        """While B is built: its files in place of A's, at the same path."""
-        if self.b_files is None:
+    def as_b(self) -> Iterator[None]:
+        """While open: B's files in place of A's, at the same paths."""
+        if self.b_file is None or self.b_rewrite is None:
             yield
             return
-        weights = Path(self.model) / "model.safetensors"
-        original = weights.read_bytes()
-        self.b_files(weights)
+        original = self.b_file.read_bytes()
+        self.b_rewrite(self.b_file)
         try:
             yield
         finally:
-            weights.write_bytes(original)
+            self.b_file.write_bytes(original)
 
 
 def identities_of(seed: int, base_model: str, folder: Path) -> Identities:
@@ -69,8 +84,28 @@ def identities_of(seed: int, base_model: str, folder: Path) -> Identities:
         _long_rope(model)
         return Identities(kind, str(model), b_max_model_len=2 * MAX_MODEL_LEN)
     if kind == "fine-tuned-norm":
-        return Identities(kind, str(model), b_files=_tune_one_norm)
+        weights = model / "model.safetensors"
+        return Identities(kind, str(model), b_file=weights, b_rewrite=_tune_one_norm)
+    if kind == "lora-retrained":
+        adapter = folder / "adapter"
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text(json.dumps({"r": 8}))
+        weights = adapter / "adapter_model.safetensors"
+        weights.write_bytes(bytes(range(256)) * 64)
+        return Identities(
+            kind,
+            str(model),
+            b_file=weights,
+            b_rewrite=_retrain,
+            adapter=str(adapter),
+        )
     return Identities(kind, str(model), b_overrides={"attn_logit_softcapping": 30.0})
+
+
+def _retrain(weights: Path) -> None:
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
 
 
 def _long_rope(model: Path) -> None:

@@ -42,6 +42,7 @@ class Oracle:
         self._blocks: dict[str, list[int]] = {}  # block hash (hex) -> its values
         self._salts: dict[str, int] = {}  # namespace -> engine salt
         self._tensors: dict[str, torch.Tensor] = {}  # request id -> its values
+        self._adapters: dict[str, int] = {}  # request id -> its LoRA adapter's files
 
     def add_engine(self, namespace: str, salt: int) -> str | None:
         """Names an engine's KV; a problem when engines whose KV differs share a
@@ -68,10 +69,15 @@ class Oracle:
         mix = engine_salt ^ (rank * 0x9E3779)
         return ((cached[: len(tokens)] ^ mix) & _MASK).to(torch.float32)
 
+    def set_adapter(self, req_id: str, adapter: int) -> None:
+        """The request's KV is computed with LoRA adapter files `adapter` (> 0): other
+        values than the model's alone, and than another adapter's."""
+        self._adapters[req_id] = adapter
+
     def prefix_values(self, req_id: str, tokens: Sequence[int]) -> list[int]:
         """The base value of each position of `tokens` (grown as tokens are added)."""
         values = self._prefix.setdefault(req_id, [])
-        last = values[-1] if values else 0x12345
+        last = values[-1] if values else 0x12345 + 0x777 * self._adapters.get(req_id, 0)
         for token in tokens[len(values) :]:
             last = (last * 1000003 + token + 1) % (1 << 31)
             values.append(last)
@@ -88,6 +94,7 @@ class Oracle:
     def forget(self, req_id: str) -> None:
         self._prefix.pop(req_id, None)
         self._tensors.pop(req_id, None)
+        self._adapters.pop(req_id, None)
 
     def check_value(self, key: str, value: bytes) -> str | None:
         """Whether a store value holds what its shard key stands for: every slot's K

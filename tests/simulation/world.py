@@ -46,12 +46,18 @@ from unittest import mock
 
 import torch
 
-from tests.simulation.identities import MAX_MODEL_LEN, identities_of
+from tests.simulation.identities import (
+    ADAPTER_ID,
+    ADAPTER_NAME,
+    MAX_MODEL_LEN,
+    identities_of,
+)
 from tests.simulation.late_copies import CopyFaults, LateCopies
 from tests.simulation.mooncake_client import SimMooncakeStore
 from tests.simulation.oracle import Oracle, head_of
 from tests.simulation.replicated import replicated_kv
 from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
+from vllm_cpu_offload import lora_identity
 from vllm_cpu_offload.scheduler.shared_tier import SharedTier
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,6 +77,8 @@ STEP_S = 0.04
 SIM_STORE = "tests.simulation.store:SimStore"
 MOONCAKE_STORE = "tests.simulation.mooncake_client:SimMooncakeStore"
 SLOW_STORE = StoreFaults(fail=0.02, timeout=0.05, hold=0.6)
+# The oracle's adapter of B's host's LoRA files (A's and A2's are adapter 1).
+ADAPTER_B = 2
 
 
 class Violation(AssertionError):
@@ -123,6 +131,9 @@ class Engine:
     pending: tuple[Any, Any] | None = None
     # Whether the last schedule preempted a request.
     preempted: bool = False
+    # What this engine's process worked out of the LoRA adapter (`lora_identity`):
+    # each engine is a process of its own.
+    lora_keys: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def tier(self) -> Any:
@@ -180,17 +191,20 @@ class World:
                     "A2", same, None, self.twin_tp, salt=0x000000, store=MOONCAKE_STORE
                 ),
             ]
-            with self.identities.building_b():
+            for engine in self.engines:
+                self._learn_adapter(engine)
+            with self.identities.as_b():
                 self.engines.append(
                     self._engine(
                         "B",
                         same,
                         self.identities.b_overrides,
                         tp,
-                        salt=0x5A5A5A,
+                        salt=0x5A5A5A if self.identities.b_kv_differs else 0x000000,
                         max_model_len=self.identities.b_max_model_len,
                     )
                 )
+                self._learn_adapter(self.engines[-1])
 
     # ---- building ----
 
@@ -345,6 +359,15 @@ class World:
 
     def _act(self, engine: Engine) -> None:
         """Random arrivals, aborts, cache resets, and this step's copy faults."""
+        with self._in_process(engine):
+            self._act_in_process(engine)
+
+    @staticmethod
+    def _in_process(engine: Engine) -> Any:
+        """While open, block hashes are made as `engine`'s own process makes them."""
+        return mock.patch.object(lora_identity, "_keys", engine.lora_keys)
+
+    def _act_in_process(self, engine: Engine) -> None:
 
         rng = self.rng
         live = [r for r in engine.scheduler.requests.values() if not r.is_finished()]
@@ -418,16 +441,48 @@ class World:
             extra_args={"kv_transfer_params": self._hints()},
         )
         params.update_from_generation_config({}, self.utils.EOS_TOKEN_ID)
+        request_id = f"{engine.name}-{self._next_request}"
+        lora = self._adapter_of(engine, request_id)
         request = Request(
-            request_id=f"{engine.name}-{self._next_request}",
+            request_id=request_id,
             prompt_token_ids=prefix + suffix,
             sampling_params=params,
             pooling_params=None,
             cache_salt=rng.choice([None, None, None, "tenant-1", "tenant-2"]),
+            lora_request=lora,
             block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
         )
         engine.added.append(request.request_id)
         engine.scheduler.add_request(request)
+
+    def _learn_adapter(self, engine: Engine) -> None:
+        """What `engine`'s process works out of the LoRA adapter's files at its first
+        block, worked out now, while the files of its host are in place (B's: in
+        `Identities.as_b`; A's otherwise)."""
+        from types import SimpleNamespace
+
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.core import kv_cache_utils
+
+        adapter = self.identities.adapter
+        if adapter is None:
+            return
+        request = SimpleNamespace(
+            lora_request=LoRARequest(ADAPTER_NAME, ADAPTER_ID, adapter)
+        )
+        with self._in_process(engine):
+            kv_cache_utils._gen_lora_extra_hash_keys(request)
+
+    def _adapter_of(self, engine: Engine, request_id: str) -> Any:
+        """The LoRA adapter of a new request (`lora-retrained`: half of them), told to
+        the oracle: B's host holds other files under the adapter's path."""
+        from vllm.lora.request import LoRARequest
+
+        adapter = self.identities.adapter
+        if adapter is None or self.rng.random() < 0.5:
+            return None
+        self.oracle.set_adapter(request_id, ADAPTER_B if engine.name == "B" else 1)
+        return LoRARequest(ADAPTER_NAME, ADAPTER_ID, adapter)
 
     def _hints(self) -> dict[str, Any]:
         """A request's hints: none mostly; retains that expire within the run or
@@ -449,7 +504,8 @@ class World:
 
     def _step(self, engine: Engine) -> None:
         try:
-            self._step_or_raise(engine)
+            with self._in_process(engine):
+                self._step_or_raise(engine)
         except Violation:
             raise
         except Exception as e:
