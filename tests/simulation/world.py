@@ -448,7 +448,7 @@ class World:
             prompt_token_ids=prefix + suffix,
             sampling_params=params,
             pooling_params=None,
-            cache_salt=rng.choice([None, None, None, "tenant-1", "tenant-2"]),
+            cache_salt=self._salt(),
             lora_request=lora,
             block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
         )
@@ -472,6 +472,13 @@ class World:
         )
         with self._in_process(engine):
             kv_cache_utils._gen_lora_extra_hash_keys(request)
+
+    def _salt(self) -> str | None:
+        """A request's `cache_salt`: mostly none, two tenants, and a client that
+        mints a new one for each request (as many tenants as requests, retains among
+        them)."""
+        salt = self.rng.choice([None, None, None, "tenant-1", "tenant-2", "minted"])
+        return f"minted-{self._next_request}" if salt == "minted" else salt
 
     def _adapter_of(self, engine: Engine, request_id: str) -> Any:
         """The LoRA adapter of a new request (`lora-retrained`: half of them), told to
