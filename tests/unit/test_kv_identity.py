@@ -72,6 +72,25 @@ def hub_snapshot(cache_dir: Path, commit: str) -> None:
     (repo / "refs" / "main").write_text(commit)
 
 
+def one_layer_kv_config(block_size: int = BLOCK_SIZE, num_blocks: int = 16) -> Any:
+    """The KV cache config of a model of one attention layer of one KV head of size
+    1, as the connector receives it."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+
+
 def _backend(name: str) -> Any:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -280,11 +299,6 @@ def test_the_connector_runs_without_the_shared_tier_and_says_so_once(
 ) -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
 
     from vllm_cpu_offload import connector as connector_module
     from vllm_cpu_offload import spec as spec_module
@@ -306,16 +320,8 @@ def test_the_connector_runs_without_the_shared_tier_and_says_so_once(
             "remote_url": "redis://127.0.0.1:9",
         },
     )
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    kv_config = KVCacheConfig(
-        num_blocks=16,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
     connector = connector_module.CPUOffloadConnector(
-        config, KVConnectorRole.SCHEDULER, kv_config
+        config, KVConnectorRole.SCHEDULER, one_layer_kv_config()
     )
     assert type(connector.scheduler.shared) is NoSharedTier
     assert connector.scheduler is not None and connector.scheduler.namespace == ""

@@ -17,7 +17,12 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from tests.unit.test_kv_identity import fingerprint, namespace, vllm_config  # noqa: E402
+from tests.unit.test_kv_identity import (  # noqa: E402
+    fingerprint,
+    namespace,
+    one_layer_kv_config,
+    vllm_config,
+)
 from vllm_cpu_offload.kv_identity import (  # noqa: E402
     RANKS,
     REPLICATED,
@@ -226,11 +231,6 @@ def test_a_connector_named_without_the_flags_refuses_context_parallelism(
     tiny_model: str,
 ) -> None:
     from vllm.config import KVTransferConfig
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
 
     from vllm_cpu_offload.errors import OffloadConfigError
     from vllm_cpu_offload.spec import OffloadSpec
@@ -242,13 +242,5 @@ def test_a_connector_named_without_the_flags_refuses_context_parallelism(
         kv_role="kv_both",
         kv_connector_extra_config={"swap_space_gib": 0.01},
     )
-    spec = FullAttentionSpec(
-        block_size=32, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    kv_config = KVCacheConfig(
-        num_blocks=16,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
     with pytest.raises(OffloadConfigError, match="context parallelism"):
-        OffloadSpec(config, kv_config)
+        OffloadSpec(config, one_layer_kv_config())

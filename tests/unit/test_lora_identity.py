@@ -14,7 +14,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
@@ -152,12 +151,8 @@ def test_the_scheduler_half_installs_it(tiny_model: str) -> None:
     # The engine core's half of the connector, where vLLM hashes blocks.
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
 
+    from tests.unit.test_kv_identity import one_layer_kv_config
     from vllm_cpu_offload.connector import CPUOffloadConnector
 
     vllm_own = kv_cache_utils._gen_lora_extra_hash_keys
@@ -171,15 +166,9 @@ def test_the_scheduler_half_installs_it(tiny_model: str) -> None:
         ),
     )
     config.cache_config.kv_cache_layout = "LBNHC"
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    CPUOffloadConnector(
+        config, KVConnectorRole.SCHEDULER, one_layer_kv_config(BLOCK_SIZE)
     )
-    kv_config = KVCacheConfig(
-        num_blocks=16,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    CPUOffloadConnector(config, KVConnectorRole.SCHEDULER, kv_config)
     installed = kv_cache_utils._gen_lora_extra_hash_keys
     assert installed is not vllm_own
     assert installed._vllm_lora_keys is vllm_own  # type: ignore[attr-defined]
