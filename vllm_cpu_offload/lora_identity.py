@@ -20,8 +20,10 @@ start kept their digests. Every later block is one dict lookup on (lora_int_id,
 lora_name, lora_path), which hold all that vLLM's keys are made of: 140 ns a block
 against vLLM's 75 ns, and 1.9 us against 1.8 us for a whole 16-token block hash with
 sha256 (measured on that machine). The identity is remembered for the life of the
-process, as vLLM remembers a loaded adapter by its id: an adapter reloaded in place
-(`load_inplace`) within one process keeps its identity, as it keeps vLLM's own keys.
+process, as vLLM remembers a loaded adapter by its id, and worked out again for a
+request that reloads its adapter in place (`load_inplace`): blocks computed with the
+reloaded files are not keyed as the old files' (which engines that still hold those
+would read from the shared store).
 
 KV events carry the block hashes made with it (their extra keys stay vLLM's bare LoRA
 name). An external router that computes block hashes for LoRA requests itself, from
@@ -64,7 +66,9 @@ def install() -> None:
             return []
         key = (lora.lora_int_id, lora.lora_name, lora.lora_path)
         keys = _keys.get(key)
-        if keys is None:
+        # A request that reloads its adapter in place may bring other files: read
+        # again, and the requests after it take what it found.
+        if keys is None or lora.load_inplace:
             identity = _contents_of(lora.lora_path)
             keys = _keys[key] = tuple((*k, identity) for k in current(request))
         return list(keys)

@@ -62,8 +62,8 @@ def write_adapter(folder: Path, scale: float) -> None:
     os.utime(folder / "adapter_model.safetensors", (1_000_000_000, 1_000_000_000))
 
 
-def block_hashes(adapter: Path | str) -> list[bytes]:
-    lora = LoRARequest("sql-adapter", 1, str(adapter))
+def block_hashes(adapter: Path | str, load_inplace: bool = False) -> list[bytes]:
+    lora = LoRARequest("sql-adapter", 1, str(adapter), load_inplace=load_inplace)
     request = Request(
         "r",
         list(range(BLOCK_SIZE * BLOCKS)),
@@ -94,6 +94,20 @@ def test_an_adapter_retrained_in_place_gets_other_hashes(tmp_path: Path) -> None
     new_process()
     write_adapter(adapter, 2.0)
     assert block_hashes(adapter) != before
+
+
+def test_an_adapter_reloaded_in_place_is_read_again(tmp_path: Path) -> None:
+    # Retrained and reloaded in place in a running engine (load_inplace): its new
+    # blocks are not keyed as the old files' blocks, which other engines still hold.
+    lora_identity.install()
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, 1.0)
+    before = block_hashes(adapter)
+    write_adapter(adapter, 2.0)
+    assert block_hashes(adapter) == before  # the process remembers the adapter
+    reloaded = block_hashes(adapter, load_inplace=True)
+    assert reloaded != before
+    assert block_hashes(adapter) == reloaded  # and the requests after the reload
 
 
 def test_an_unchanged_adapter_keeps_its_hashes(tmp_path: Path) -> None:
