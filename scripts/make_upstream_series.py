@@ -111,6 +111,7 @@ REWRITES: tuple[tuple[str, str], ...] = (
     ("vllm_cpu_offload.eviction_policies", "vllm.cpu_offload.eviction_policies"),
     ("vllm_cpu_offload.remote_stores", "vllm.cpu_offload.remote_stores"),
     ("tests.external_policy", f"{TESTS_MOD}.external_policy"),
+    ("tests.fault_injection", f"{TESTS_MOD}.fault_injection"),
     ("tests.kernels.", f"{TESTS_MOD}.kernels."),
     ("tests.unit.", f"{TESTS_MOD}."),
     ("from vllm_cpu_offload import", f"from {IN_TREE_MOD} import"),
@@ -397,6 +398,7 @@ def stage_tests(tree: Path) -> None:
         copy_test(src, dst / "kernels" / src.name, tree)
     for src in sorted((REPO / "tests/external_policy").glob("*.py")):
         copy_rewritten(src, dst / "external_policy" / src.name)
+    copy_rewritten(REPO / "tests/fault_injection.py", dst / "fault_injection.py")
     scheduler_test = (
         REPO / "tests/vllm_helpers/test_vllm_scheduler_with_our_connector.py"
     )

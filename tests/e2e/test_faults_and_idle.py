@@ -3,7 +3,6 @@ engine holds no block for a store that is done."""
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -12,8 +11,8 @@ import pytest
 
 from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import make_llm, scheduler_connector, shutdown
+from tests.fault_injection import FaultInjector
 from vllm_cpu_offload.testing.tiny_model import random_token_ids
-from vllm_cpu_offload.worker.fault_injection import FAIL_SEED_ENV, FAIL_SHARE_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -32,12 +31,12 @@ def _read(llm: Any, prompt: list[int], max_tokens: int = 6) -> Any:
 
 @pytest.fixture(scope="module")
 def faulty_llm(tiny_model: str) -> Iterator[Any]:
-    # The in-process worker reads the knob when the connector is built.
-    os.environ[FAIL_SHARE_ENV], os.environ[FAIL_SEED_ENV] = "0.4", "5"
-    try:
-        llm = make_llm(tiny_model, offload=True)
-    finally:
-        del os.environ[FAIL_SHARE_ENV], os.environ[FAIL_SEED_ENV]
+    # The worker runs in this process: its half of the connector is vLLM's KV
+    # transfer group here, and takes a test's injector.
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    llm = make_llm(tiny_model, offload=True)
+    get_kv_transfer_group().worker.faults = FaultInjector(0.4, seed=5)
     yield llm
     shutdown(llm)
 

@@ -10,6 +10,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from tests.fault_injection import FaultInjector  # noqa: E402
 from vllm_cpu_offload.block_transfer import RemoteBlocks  # noqa: E402
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata  # noqa: E402
 from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults  # noqa: E402
@@ -88,13 +89,11 @@ def test_delayed_free_is_reported_once_the_request_has_no_store_left() -> None:
     assert _step(worker, OffloadStepMetadata()) is None
 
 
-def test_injected_faults_fail_the_chosen_share_uncopied(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The test-only knob at share 1: every load and store fails, nothing is copied, the
+def test_injected_faults_fail_the_chosen_share_uncopied() -> None:
+    # A test's injector at share 1: every load and store fails, nothing is copied, the
     # load's device blocks go back to vLLM for recompute, the request is not held.
-    monkeypatch.setenv("VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE", "1")
     worker, caches = _worker()
+    worker.faults = FaultInjector(1.0)
     before = {name: t.clone() for name, t in caches.items()}
     meta = OffloadStepMetadata(
         stores=[BlockTransfer(1, [5], [2], "a")],
@@ -112,13 +111,11 @@ def test_injected_faults_fail_the_chosen_share_uncopied(
     assert _step(worker, OffloadStepMetadata(delayed_free_req_ids=["a"])) == {"a"}
 
 
-def test_a_store_failed_by_the_injector_ends_its_write_through(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_store_failed_by_the_injector_ends_its_write_through() -> None:
     # A store that fails before it is copied writes nothing through, and says so:
     # the scheduler holds its host blocks until every worker reported the write.
-    monkeypatch.setenv("VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE", "1")
     worker, _ = _worker()
+    worker.faults = FaultInjector(1.0)
     thread = _WriteRecorder()
     worker.shared = SharedTierWorker(
         cast(RemoteIO, cast(Any, thread)),
@@ -149,13 +146,3 @@ class _WriteRecorder:
 
     def poll(self) -> RemoteResults:
         return RemoteResults()
-
-
-@pytest.mark.parametrize("value", ["1.5", "-0.1", "often"])
-def test_fault_share_out_of_range_is_refused(
-    monkeypatch: pytest.MonkeyPatch, value: str
-) -> None:
-    # A bad knob is a clear error, not a silent no-op.
-    monkeypatch.setenv("VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE", value)
-    with pytest.raises(ValueError, match="VLLM_CPU_OFFLOAD_TEST_FAIL_SHARE"):
-        HostTierWorker(HOST_BLOCKS, BLOCKS)

@@ -129,14 +129,14 @@ def test_a_hybrid_host_load_whose_copy_fails_costs_a_recompute_not_a_crash(
     # No store: a re-read hits the host tier. Its copy fails; with several groups vLLM
     # takes no load error of single blocks (it raises), so the hit loads across steps
     # and its failure fails the request, which vLLM recomputes, every slot right.
-    from vllm_cpu_offload.worker.fault_injection import FaultInjector
+    from tests.fault_injection import FaultInjector
 
     engine = Engine(vllm_utils, tiny_model, sliding_window=WINDOW)
     try:
         engine.run(engine.request(3, PROMPT_TOKENS))
         assert engine.scheduler.reset_prefix_cache()  # the device forgets, not the tier
         assert engine.worker.worker is not None
-        engine.worker.worker._faults = FaultInjector(1.0)  # every copy from now on
+        engine.worker.worker.faults = FaultInjector(1.0)  # every copy from now on
         request = engine.request(3, PROMPT_TOKENS)
         engine.run(request)
         assert engine.tier.stats.failed_loads == 1

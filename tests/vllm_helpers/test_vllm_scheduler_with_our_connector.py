@@ -350,16 +350,16 @@ def test_a_large_host_hit_loads_across_steps_while_another_request_decodes(
 def test_failed_loads_are_recomputed_through_vllms_invalid_blocks(
     engine: Engine,
 ) -> None:
-    # Stores succeed, then every load fails on the worker (the test-only fault
+    # Stores succeed, then every load fails on the worker (a test's fault
     # injector): vLLM's invalid-block path recomputes the blocks and the request
     # finishes with right KV.
-    from vllm_cpu_offload.worker.fault_injection import FaultInjector
+    from tests.fault_injection import FaultInjector
 
     engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
     for seed in (2, 3, 4, 5, 6):
         engine.run(engine.request(seed, 6 * BLOCK_SIZE))
     assert engine.worker.worker is not None
-    engine.worker.worker._faults = FaultInjector(1.0)
+    engine.worker.worker.faults = FaultInjector(1.0)
     again = engine.request(1, 5 * BLOCK_SIZE + 3)
     engine.run(again)
     assert engine.tier.stats.failed_loads == 1 and engine.invalid_blocks == 5
@@ -376,19 +376,19 @@ def test_blocks_a_failed_load_left_unfilled_are_no_device_hit_later(
     # device hit (the forward checks every slot it reads).
     from vllm.v1.request import RequestStatus
 
-    from vllm_cpu_offload.worker.fault_injection import FaultInjector
+    from tests.fault_injection import FaultInjector
 
     engine.run(engine.request(1, 5 * BLOCK_SIZE + 3))
     for seed in (2, 3, 4, 5, 6):
         engine.run(engine.request(seed, 6 * BLOCK_SIZE))
     assert engine.worker.worker is not None
-    engine.worker.worker._faults = FaultInjector(1.0)
+    engine.worker.worker.faults = FaultInjector(1.0)
     failed = engine.request(1, 5 * BLOCK_SIZE + 3)
     engine.scheduler.add_request(failed)
     engine.step()
     assert engine.invalid_blocks == 5
     engine.scheduler.finish_requests(failed.request_id, RequestStatus.FINISHED_ABORTED)
-    engine.worker.worker._faults = None
+    engine.worker.worker.faults = None
     again = engine.request(1, 5 * BLOCK_SIZE + 3)
     engine.run(again)  # raises on a wrong slot
     assert len(again.output_token_ids) == 8

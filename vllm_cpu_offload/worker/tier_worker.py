@@ -13,6 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -21,7 +22,6 @@ from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadStats
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.copiers.select import Candidate
-from vllm_cpu_offload.worker.fault_injection import FaultInjector
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.shared_region import SharedRegion
 from vllm_cpu_offload.worker.shared_tier import (
@@ -39,6 +39,16 @@ logger = logging.getLogger(__name__)
 # would otherwise return at once, and the engine would spin on empty steps, taking the
 # cores the store's transfer needs; a request that arrives meanwhile waits at most this.
 IDLE_FETCH_WAIT_S = 0.01
+
+
+class TransferFaults(Protocol):
+    """What a test puts in `HostTierWorker.faults` to fail transfers on purpose
+    (`tests/fault_injection.py`): the fault path of a real engine, without a broken
+    copy."""
+
+    def fails(self) -> bool:
+        """Whether the next transfer job fails, uncopied."""
+        ...
 
 
 class HostTierWorker:
@@ -104,7 +114,8 @@ class HostTierWorker:
         # report: the copies themselves on the CPU platform, queueing and waits on CUDA.
         self._load_seconds = 0.0
         self._store_seconds = 0.0
-        self._faults = FaultInjector.from_env()
+        # A test's injector of transfer faults (`TransferFaults`); None in service.
+        self.faults: TransferFaults | None = None
         self._idle_step = False
         self.idle_fetch_wait_s = idle_fetch_wait_s
 
@@ -192,13 +203,13 @@ class HostTierWorker:
     def _without_injected_faults(
         self, transfers: list[BlockTransfer]
     ) -> list[BlockTransfer]:
-        """The transfers to run; the test-only injector fails the others, uncopied."""
-        if self._faults is None:
+        """The transfers to run; a test's injector fails the others, uncopied."""
+        if self.faults is None:
             return transfers
         kept: list[BlockTransfer] = []
         failed: set[int] = set()
         for t in transfers:
-            if self._faults.fails():
+            if self.faults.fails():
                 failed.add(t.job_id)
             else:
                 kept.append(t)
