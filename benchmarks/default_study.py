@@ -43,10 +43,9 @@ from vllm_cpu_offload.scheduler.policies import (  # noqa: E402
     BlockState,
     EvictionPolicy,
     HostBlock,
-    LIRSPolicy,
     make_policy,
 )
-from vllm_cpu_offload.scheduler.policies.lirs import _HIR, _LIR  # noqa: E402
+from vllm_cpu_offload.scheduler.policies.lirs import _HIR, _LIR, LIRSPolicy  # noqa: E402
 
 CANDIDATES = ANCHORS  # the duel follows the anchors
 

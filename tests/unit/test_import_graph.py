@@ -94,3 +94,43 @@ def test_the_circle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _reachable(start: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+POLICIES = f"{NAME}.scheduler.policies"
+
+
+def test_the_policies_package_imports_no_policy_but_lru() -> None:
+    # The other built-ins are a module and a registry line each, loaded by name.
+    from vllm_cpu_offload.scheduler.policies.registry import BUILTIN_POLICIES
+
+    graph = _graph()
+    on_demand = {path.partition(":")[0] for path in BUILTIN_POLICIES.values()}
+    assert on_demand <= set(graph) and len(on_demand) == 5
+    reached = _reachable(POLICIES, graph)
+    assert f"{POLICIES}.lru" in reached
+    assert reached & on_demand == {f"{POLICIES}.lru"}
+
+
+def test_the_package_imports_nothing_of_its_tests() -> None:
+    # Test-only code (the fault injector) lives in tests/ and plugs into seams.
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                assert not (node.module or "").startswith("tests"), name
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("tests") for a in node.names), name

@@ -7,16 +7,16 @@ import pytest
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.policies import (
     POLICY_NAMES,
-    ARCPolicy,
     BlockList,
     HostBlock,
-    LIRSPolicy,
     LRUPolicy,
-    PrefixAwarePolicy,
-    S3FIFOPolicy,
     make_policy,
 )
 from vllm_cpu_offload.scheduler.policies.admission_duel import PROTECTING, AdmissionDuel
+from vllm_cpu_offload.scheduler.policies.arc import ARCPolicy
+from vllm_cpu_offload.scheduler.policies.lirs import LIRSPolicy
+from vllm_cpu_offload.scheduler.policies.prefix_aware import PrefixAwarePolicy
+from vllm_cpu_offload.scheduler.policies.s3fifo import S3FIFOPolicy
 
 
 def store(pool: HostBlockPool, keys: list[object], parent: object = None) -> int:
