@@ -58,6 +58,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState
 from vllm_cpu_offload.scheduler.manager import HostTierManager
@@ -325,22 +326,25 @@ class Retention:
             )
 
     def _compact(self) -> None:
-        """Rebuilds each heap over all retains or tenants that holds more than twice
-        as many entries as they (plus a few): O(1) amortised over the pushes that made
-        it so."""
-        if len(self._by_usage) > 2 * len(self._usage) + 8:
-            self._by_usage[:] = [
-                (-usage, next(self._pushes), t) for t, usage in self._usage.items()
-            ]
-            heapq.heapify(self._by_usage)
-        if len(self._by_due_last) > 2 * len(self._tenants) + 8:
-            self._by_due_last[:] = [
+        """Rebuilds each heap over all retains or tenants that is mostly ended
+        entries (`_rebuild_if_stale`)."""
+        _rebuild_if_stale(
+            self._by_usage,
+            len(self._usage),
+            lambda: [(-u, next(self._pushes), t) for t, u in self._usage.items()],
+        )
+        _rebuild_if_stale(
+            self._by_due_last,
+            len(self._tenants),
+            lambda: [
                 (-(d := self._due_last_of(t)).deadline, d.rid) for t in self._tenants
-            ]
-            heapq.heapify(self._by_due_last)
-        if len(self._deadlines) > 2 * len(self._retains) + 8:
-            self._deadlines[:] = [(r.deadline, r.rid) for r in self._retains.values()]
-            heapq.heapify(self._deadlines)
+            ],
+        )
+        _rebuild_if_stale(
+            self._deadlines,
+            len(self._retains),
+            lambda: [(r.deadline, r.rid) for r in self._retains.values()],
+        )
 
     # ---- ending a retain ----
 
@@ -380,14 +384,27 @@ class Retention:
             del self._usage[tenant]
             del self._due_last[tenant]
         else:
-            if len(heap) > 2 * len(retains) + 8:
-                heap[:] = [(-self._retains[r].deadline, r) for r in retains]
-                heapq.heapify(heap)
+            _rebuild_if_stale(
+                heap,
+                len(retains),
+                lambda: [(-self._retains[r].deadline, r) for r in retains],
+            )
             if was_due_last:  # the tenant's next one is its due last now
                 due_last = self._due_last_of(tenant)
                 heapq.heappush(self._by_due_last, (-due_last.deadline, due_last.rid))
         self._push_usage(tenant)
         self._compact()
+
+
+def _rebuild_if_stale(
+    heap: list[Any], live: int, entries: Callable[[], list[Any]]
+) -> None:
+    """Rebuilds `heap` from `entries()` (one per live retain or tenant) where it holds
+    more than twice as many entries as there are live ones, plus a few: O(1) amortised
+    over the pushes that made it so."""
+    if len(heap) > 2 * live + 8:
+        heap[:] = entries()
+        heapq.heapify(heap)
 
 
 def _is_heap(heap: Sequence[tuple[object, ...]]) -> bool:
