@@ -80,11 +80,16 @@ class FileVersion:
         return time.time_ns() - self.mtime_ns >= SETTLE_NS
 
 
-def digest_cache_dir() -> Path:
-    """Where digests are kept: under `VLLM_CPU_OFFLOAD_CACHE` where it is set."""
+def cache_root() -> Path:
+    """The package's cache folder (digests here, generated models in `testing/`):
+    `VLLM_CPU_OFFLOAD_CACHE` where it is set."""
     env = os.environ.get("VLLM_CPU_OFFLOAD_CACHE")
-    root = Path(env) if env else Path.home() / ".cache" / "vllm_cpu_offload"
-    return root / "digests"
+    return Path(env) if env else Path.home() / ".cache" / "vllm_cpu_offload"
+
+
+def digest_cache_dir() -> Path:
+    """Where digests are kept."""
+    return cache_root() / "digests"
 
 
 # Each engine process asks up to three times at start (namespace, fingerprint, notice).

@@ -9,11 +9,12 @@ present.
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from vllm_cpu_offload.file_digest import cache_root
 
 VOCAB_WORDS = 4000
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -59,11 +60,6 @@ class TinyLlamaShape:
 
 # The shape the tests and the demo use: starts in about 20 s on a 2-core CPU.
 TEST_SHAPE = TinyLlamaShape()
-
-
-def cache_root() -> Path:
-    env = os.environ.get("VLLM_CPU_OFFLOAD_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "vllm_cpu_offload"
 
 
 def vocabulary() -> list[str]:
