@@ -70,6 +70,16 @@ def second_engine_reads() -> list[Doc]:
     return [*((d, None) for d in docs), (salted, "tenant-a")]
 
 
+def store_calls_bounded_by(seconds: float) -> list[str]:
+    """The flag that bounds each call to the shared store by `seconds`."""
+    config = {
+        "kv_connector": "CPUOffloadConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"remote_timeout_s": seconds},
+    }
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
 def server_flags(url: str) -> list[str]:
     return [
         "--dtype", "float32",
@@ -303,12 +313,7 @@ def test_a_fetch_that_waits_holds_back_no_other_request(
         {"store": redis_url, "gate": str(gate)}
     )
     # A store timeout far beyond the test: the held fetch ends only at the gate.
-    long_timeout = {
-        "kv_connector": "CPUOffloadConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"remote_timeout_s": 600},
-    }
-    flags = [*server_flags(gated), "--kv-transfer-config", json.dumps(long_timeout)]
+    flags = [*server_flags(gated), *store_calls_bounded_by(600)]
     with (
         running_server(tiny_model, flags) as second,
         ThreadPoolExecutor(1) as pool,
@@ -335,7 +340,14 @@ def test_tensor_parallel_engines_share_every_ranks_shard(
     tiny_model: str, redis_url: str
 ) -> None:
     """TP=2: each rank writes its shard under its own key; B's hit needs both."""
-    flags = [*server_flags(redis_url), "--tensor-parallel-size", "2"]
+    # Store calls bounded far beyond the test: on two busy cores a call past the
+    # default 2 s would make a miss of timing alone.
+    flags = [
+        *server_flags(redis_url),
+        "--tensor-parallel-size",
+        "2",
+        *store_calls_bounded_by(120),
+    ]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     docs, _ = documents(47, 2)
     with running_server(tiny_model, flags, env=env) as first_server:
