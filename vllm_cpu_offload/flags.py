@@ -46,10 +46,7 @@ from vllm_cpu_offload.config import (
 )
 from vllm_cpu_offload.context_parallel import check_context_parallelism
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
-from vllm_cpu_offload.kv_identity import host_region_per_stage
-from vllm_cpu_offload.persist.directory import check_tier_directory, check_tier_fits
-from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
-from vllm_cpu_offload.remote.registry import check_remote_url
+from vllm_cpu_offload.layers import check_settings, layer_classes
 from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
 
 # Every vLLM release the package is tested against (README: "Supported vLLM").
@@ -196,10 +193,8 @@ def _resolve_offload(engine_args: Any) -> OffloadConfig | None:
     stages = int(engine_args.pipeline_parallel_size)
     # A bad policy name or class fails here, before the engine starts.
     resolve_policy(config.eviction_policy)
-    if config.swap_space_path is not None:
-        check_tier_directory(config.swap_space_path)
-    if config.remote_url is not None:
-        check_remote_url(config.remote_url)
+    # The settings of the tier's layers (the file tier's, the shared tier's).
+    check_settings(config, ("swap_space_path", "remote_url"))
     check_fits_in_host_memory(config, stages, "pipeline stage(s)")
     return config
 
@@ -215,10 +210,7 @@ def check_fits_in_host_memory(
     """Refuses `copies` swap spaces larger than the host memory available now (with
     `swap_space_path`: larger than the space its file system has for the tier)."""
     wanted = config.swap_space_bytes * copies
-    if config.swap_space_path is not None:
-        check_tier_fits(
-            config.swap_space_path, wanted, config.swap_space_gib, copies, each
-        )
+    if any(cls.check_fits(config, wanted, copies, each) for cls in layer_classes()):
         return
     available = available_host_memory_bytes()
     if wanted > available:
@@ -231,13 +223,14 @@ def check_fits_in_host_memory(
 
 def host_tier_copies(vllm_config: Any, config: OffloadConfig) -> tuple[int, str]:
     """How many swap spaces the engine's workers allocate, and of what: one per
-    worker, or one per pipeline stage where the ranks of a stage map one region
-    (MLA, worker/shared_region.py). The region is shared memory of the host, not of
-    /dev/shm's tmpfs, so its size does not depend on that tmpfs."""
+    worker, or what a layer decides (MLA: one per pipeline stage, whose ranks map one
+    region, worker/region_layer.py)."""
+    for cls in layer_classes():
+        copies = cls.host_copies(vllm_config, config)
+        if copies is not None:
+            return copies
     parallel = vllm_config.parallel_config
     stages = int(parallel.pipeline_parallel_size)
-    if host_region_per_stage(vllm_config, config.swap_space_path):
-        return stages, "pipeline stage(s)"
     return int(parallel.tensor_parallel_size) * stages, "worker(s)"
 
 
@@ -268,11 +261,8 @@ def check_engine(vllm_config: Any, config: OffloadConfig) -> None:
             f"{model_config.model} has sliding-window or chunked attention layers; "
             "drop offload_block_size"
         )
-    hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
-    if config.swap_space_path is not None:
-        check_stable_block_hashes(hash_algo, "--swap-space-path")
-    if config.remote_url is not None:
-        check_stable_block_hashes(hash_algo, "--swap-space-remote")
+    for cls in layer_classes():
+        cls.check_engine(vllm_config, config)
     if model_config.is_attention_free or model_config.is_hybrid:
         kind = (
             "attention-free" if model_config.is_attention_free else "hybrid state-space"

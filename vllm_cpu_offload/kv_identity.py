@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_cpu_offload.context_parallel import context_parallel_sizes
+from vllm_cpu_offload.errors import OffloadConfigError
 from vllm_cpu_offload.weights_identity import weights_identity
 
 # vLLM's seed for the cryptographic hashes when PYTHONHASHSEED is not set.
@@ -251,3 +252,19 @@ def _jsonable(value: Any) -> Any:
         return f"{module}.{getattr(value, '__qualname__', type(value).__qualname__)}"
     text = str(value)
     return type(value).__qualname__ if " at 0x" in text else text
+
+
+# vLLM's non-cryptographic prefix-caching hashes: a random per-process NONE_HASH seed
+# unless PYTHONHASHSEED is set.
+_PER_PROCESS_SEEDED = ("xxhash", "xxhash_cbor")
+
+
+def check_stable_block_hashes(hash_algo: str, flag: str) -> None:
+    """Refuses a prefix-caching hash whose keys change from one process to the next
+    (`flag` needs them stable)."""
+    if hash_algo in _PER_PROCESS_SEEDED and os.getenv("PYTHONHASHSEED") is None:
+        raise OffloadConfigError(
+            f"{flag} needs block hashes that are the same in every process, "
+            f"but --prefix-caching-hash-algo {hash_algo} seeds them at random per "
+            "process; use sha256 or sha256_cbor, or set PYTHONHASHSEED"
+        )

@@ -10,7 +10,10 @@ hook is optional; together they are every seam the core leaves open:
   (`scheduler/tier_seams.py`);
 - the worker half: the memory the host buffer maps (`worker/host_buffer.py`'s
   `MappedMemory`; at most one layer gives it) and `HostTierWorker.open_shared_tier`
-  (`worker/tier_seams.py`).
+  (`worker/tier_seams.py`);
+- before the engine starts (`flags.py`, in the process that parses the flags): the
+  settings a layer serves and checks, the host memory its copies of the tier take.
+  A setting that no registered layer serves is refused, never ignored.
 
 Removing a layer's modules and its line here leaves a working tier without it.
 """
@@ -18,9 +21,10 @@ Removing a layer's modules and its line here leaves a working tier without it.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vllm_cpu_offload.config import OffloadConfig
     from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
     from vllm_cpu_offload.scheduler.pool_events import PersistenceListener
     from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
@@ -41,8 +45,35 @@ class TierLayer:
     """One capability of the tier, for one process; built from the spec, which holds
     the tier's numbers."""
 
+    # The `OffloadConfig` fields this layer serves (each off when None).
+    settings: tuple[str, ...] = ()
+
     def __init__(self, spec: OffloadSpec) -> None:
         self.spec = spec
+
+    @classmethod
+    def check_settings(cls, config: OffloadConfig) -> None:
+        """Refuses bad settings of this layer in one line, before the engine."""
+
+    @classmethod
+    def check_engine(cls, vllm_config: Any, config: OffloadConfig) -> None:
+        """Refuses an engine this layer cannot serve, before it starts."""
+
+    @classmethod
+    def host_copies(
+        cls, vllm_config: Any, config: OffloadConfig
+    ) -> tuple[int, str] | None:
+        """How many copies of the tier the engine keeps, and of what, where this
+        layer decides (None: one per worker)."""
+        return None
+
+    @classmethod
+    def check_fits(
+        cls, config: OffloadConfig, wanted: int, copies: int, each: str
+    ) -> bool:
+        """Refuses `wanted` bytes of tier where this layer keeps them and they do
+        not fit; whether it checked (False: they are host memory)."""
+        return False
 
     @classmethod
     def wanted(cls, spec: OffloadSpec) -> bool:
@@ -70,11 +101,28 @@ class TierLayer:
         """Releases what the layer opened."""
 
 
+def layer_classes() -> list[type[TierLayer]]:
+    """Every registered layer, in `LAYERS` order."""
+    return [importlib.import_module(name).layer for name in LAYERS]
+
+
 def load_layers(spec: OffloadSpec) -> list[TierLayer]:
     """The layers `spec`'s settings ask for, in `LAYERS` order."""
-    layers = []
-    for name in LAYERS:
-        cls: type[TierLayer] = importlib.import_module(name).layer
-        if cls.wanted(spec):
-            layers.append(cls(spec))
-    return layers
+    return [cls(spec) for cls in layer_classes() if cls.wanted(spec)]
+
+
+def check_settings(config: OffloadConfig, served: tuple[str, ...]) -> None:
+    """Refuses a setting of `served` (the fields that layers serve) that no
+    registered layer serves, then lets each layer check its own."""
+    from vllm_cpu_offload.errors import OffloadConfigError
+
+    classes = layer_classes()
+    known = {name for cls in classes for name in cls.settings}
+    for name in served:
+        if getattr(config, name) is not None and name not in known:
+            raise OffloadConfigError(
+                f"{name} needs a layer of the host tier that this build does not "
+                f"have; drop {name}"
+            )
+    for cls in classes:
+        cls.check_settings(config)

@@ -308,9 +308,11 @@ class World:
         # busy cores: the store calls' timeouts still run on the wall clock.)
         tier = engine.tier
         tier.retention.clock = self.now
+        namespace = ""  # nothing identifies the weights: the engine shares nothing
         if isinstance(tier.shared, SharedTier):
             tier.shared.lookup.clock = self.now
-        problem = self.oracle.add_engine(engine.tier.namespace, salt)
+            namespace = tier.shared.namespace
+        problem = self.oracle.add_engine(namespace, salt)
         if problem is not None:
             self._violation(problem)
         return engine

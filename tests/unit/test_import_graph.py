@@ -158,17 +158,42 @@ def test_the_package_imports_nothing_of_its_tests() -> None:
 CORE = {
     f"{NAME}.{m}"
     for m in (
-        "block_transfer config connector context_parallel errors events layers "
-        "metadata metrics spec user_classes scheduler.block_pool scheduler.kv_groups "
-        "scheduler.load_planning scheduler.manager scheduler.policies "
-        "scheduler.policies.base scheduler.policies.lru scheduler.policies.registry "
-        "scheduler.pool_events scheduler.request_state scheduler.stored_blocks "
-        "scheduler.tier_scheduler scheduler.tier_seams scheduler.tier_stats "
-        "worker.copiers.base worker.copiers.copy_threads worker.copiers.select "
-        "worker.copiers.torch_views worker.host_buffer worker.kv_layout "
-        "worker.tier_seams worker.tier_worker worker.transfer_engine "
-        "worker.transfer_jobs"
-    ).split()
+        "block_transfer",
+        "config",
+        "connector",
+        "context_parallel",
+        "errors",
+        "events",
+        "layers",
+        "metadata",
+        "metrics",
+        "spec",
+        "user_classes",
+        "scheduler.block_pool",
+        "scheduler.kv_groups",
+        "scheduler.load_planning",
+        "scheduler.manager",
+        "scheduler.policies",
+        "scheduler.policies.base",
+        "scheduler.policies.lru",
+        "scheduler.policies.registry",
+        "scheduler.pool_events",
+        "scheduler.request_state",
+        "scheduler.stored_blocks",
+        "scheduler.tier_scheduler",
+        "scheduler.tier_seams",
+        "scheduler.tier_stats",
+        "worker.copiers.base",
+        "worker.copiers.copy_threads",
+        "worker.copiers.select",
+        "worker.copiers.torch_views",
+        "worker.host_buffer",
+        "worker.kv_layout",
+        "worker.tier_seams",
+        "worker.tier_worker",
+        "worker.transfer_engine",
+        "worker.transfer_jobs",
+    )
 }
 
 

@@ -74,3 +74,20 @@ def test_without_its_layers_the_core_is_a_host_tier_alone(
     worker = spec.build_worker()
     assert worker.memory is None and worker.open_shared_tier is None
     assert list(tmp_path.iterdir()) == []  # no file of the tier was made
+
+
+def test_a_setting_no_layer_serves_is_refused_before_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_cpu_offload.config import OffloadConfig
+    from vllm_cpu_offload.errors import OffloadConfigError
+
+    config = OffloadConfig(swap_space_gib=1, swap_space_path=str(tmp_path))
+    layers.check_settings(config, ("swap_space_path", "remote_url"))
+    monkeypatch.setattr(layers, "LAYERS", ("vllm_cpu_offload.remote.layer",))
+    with pytest.raises(OffloadConfigError, match="^swap_space_path needs a layer"):
+        layers.check_settings(config, ("swap_space_path", "remote_url"))
+    # The layer that serves a setting checks it.
+    bad = OffloadConfig(swap_space_gib=1, remote_url="redis://h:1/?nope=1")
+    with pytest.raises(OffloadConfigError, match="nope"):
+        layers.check_settings(bad, ("swap_space_path", "remote_url"))

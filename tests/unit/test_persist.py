@@ -17,10 +17,10 @@ from torch import Tensor
 
 from vllm_cpu_offload.config import OffloadConfig
 from vllm_cpu_offload.errors import OffloadConfigError
+from vllm_cpu_offload.kv_identity import check_stable_block_hashes
 from vllm_cpu_offload.persist.block_index import RECORD_BYTES, BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.persist.directory import check_tier_directory
-from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
 from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool
 from vllm_cpu_offload.scheduler.policies import make_policy
 

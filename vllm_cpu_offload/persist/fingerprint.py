@@ -14,28 +14,11 @@ starts empty every time.
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_cpu_offload.errors import OffloadConfigError
 from vllm_cpu_offload.kv_identity import CONFIG_DIGESTS, kv_identity
-
-# vLLM's non-cryptographic prefix-caching hashes: a random per-process NONE_HASH seed
-# unless PYTHONHASHSEED is set.
-_PER_PROCESS_SEEDED = ("xxhash", "xxhash_cbor")
-
-
-def check_stable_block_hashes(hash_algo: str, flag: str) -> None:
-    """Refuses a prefix-caching hash whose keys change from one process to the next
-    (`flag` needs them stable)."""
-    if hash_algo in _PER_PROCESS_SEEDED and os.getenv("PYTHONHASHSEED") is None:
-        raise OffloadConfigError(
-            f"{flag} needs block hashes that are the same in every process, "
-            f"but --prefix-caching-hash-algo {hash_algo} seeds them at random per "
-            "process; use sha256 or sha256_cbor, or set PYTHONHASHSEED"
-        )
 
 
 def tier_fingerprint(

@@ -8,18 +8,20 @@ is its data file, mapped (`data_file.py`). Both are written for one fingerprint
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_cpu_offload.kv_identity import unshared_notice
+from vllm_cpu_offload.kv_identity import check_stable_block_hashes, unshared_notice
 from vllm_cpu_offload.layers import TierLayer
 from vllm_cpu_offload.persist.block_index import BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
+from vllm_cpu_offload.persist.directory import check_tier_directory, check_tier_fits
 from vllm_cpu_offload.persist.fingerprint import tier_fingerprint
 from vllm_cpu_offload.ranks import rank_name, this_ranks, worker_names
 
 if TYPE_CHECKING:
+    from vllm_cpu_offload.config import OffloadConfig
     from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
     from vllm_cpu_offload.scheduler.pool_events import PersistenceListener
     from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
@@ -32,6 +34,29 @@ logger = init_logger("vllm.cpu_offload")
 
 class FileTierLayer(TierLayer):
     """The tier kept in files under `--swap-space-path`."""
+
+    settings = ("swap_space_path",)
+
+    @classmethod
+    def check_settings(cls, config: OffloadConfig) -> None:
+        if config.swap_space_path is not None:
+            check_tier_directory(config.swap_space_path)
+
+    @classmethod
+    def check_engine(cls, vllm_config: Any, config: OffloadConfig) -> None:
+        if config.swap_space_path is not None:
+            hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
+            check_stable_block_hashes(hash_algo, "--swap-space-path")
+
+    @classmethod
+    def check_fits(
+        cls, config: OffloadConfig, wanted: int, copies: int, each: str
+    ) -> bool:
+        path = config.swap_space_path
+        if path is None:
+            return False
+        check_tier_fits(path, wanted, config.swap_space_gib, copies, each)
+        return True
 
     @classmethod
     def wanted(cls, spec: OffloadSpec) -> bool:

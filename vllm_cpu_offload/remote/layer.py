@@ -9,16 +9,16 @@ identifies the weights there is nothing to share under, and the layer stays out.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from vllm_cpu_offload.kv_identity import unshared_notice
+from vllm_cpu_offload.kv_identity import check_stable_block_hashes, unshared_notice
 from vllm_cpu_offload.kv_shards import shard_names, worker_shards
 from vllm_cpu_offload.layers import TierLayer
 from vllm_cpu_offload.ranks import this_ranks
 from vllm_cpu_offload.remote.namespace import namespace_of
-from vllm_cpu_offload.remote.registry import open_store
+from vllm_cpu_offload.remote.registry import check_remote_url, open_store
 from vllm_cpu_offload.remote.store import wait_until_answering
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.scheduler.shared_tier import attach_shared_tier
@@ -28,6 +28,7 @@ from vllm_cpu_offload.worker.shared_tier import (
 )
 
 if TYPE_CHECKING:
+    from vllm_cpu_offload.config import OffloadConfig
     from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
     from vllm_cpu_offload.spec import OffloadSpec
     from vllm_cpu_offload.worker.tier_worker import HostTierWorker
@@ -38,6 +39,19 @@ logger = init_logger("vllm.cpu_offload")
 
 class SharedTierLayer(TierLayer):
     """A store every engine of the fleet shares, at `remote_url`."""
+
+    settings = ("remote_url",)
+
+    @classmethod
+    def check_settings(cls, config: OffloadConfig) -> None:
+        if config.remote_url is not None:
+            check_remote_url(config.remote_url)
+
+    @classmethod
+    def check_engine(cls, vllm_config: Any, config: OffloadConfig) -> None:
+        if config.remote_url is not None:
+            hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
+            check_stable_block_hashes(hash_algo, "--swap-space-remote")
 
     @classmethod
     def wanted(cls, spec: OffloadSpec) -> bool:

@@ -9,7 +9,7 @@ file per rank instead (`kv_identity.host_region_per_stage`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm_cpu_offload.kv_identity import host_region_per_stage
 from vllm_cpu_offload.layers import TierLayer
@@ -21,6 +21,7 @@ from vllm_cpu_offload.worker.shared_region import (
 )
 
 if TYPE_CHECKING:
+    from vllm_cpu_offload.config import OffloadConfig
     from vllm_cpu_offload.spec import OffloadSpec
     from vllm_cpu_offload.worker.host_buffer import MappedMemory
 
@@ -31,6 +32,18 @@ class SharedRegionLayer(TierLayer):
     @classmethod
     def wanted(cls, spec: OffloadSpec) -> bool:
         return host_region_per_stage(spec.vllm_config, spec.config.swap_space_path)
+
+    @classmethod
+    def host_copies(
+        cls, vllm_config: Any, config: OffloadConfig
+    ) -> tuple[int, str] | None:
+        # The region is shared memory of the host, not of /dev/shm's tmpfs, so its
+        # size does not depend on that tmpfs.
+        if not host_region_per_stage(vllm_config, config.swap_space_path):
+            return None
+        return int(vllm_config.parallel_config.pipeline_parallel_size), (
+            "pipeline stage(s)"
+        )
 
     def __init__(self, spec: OffloadSpec) -> None:
         super().__init__(spec)
