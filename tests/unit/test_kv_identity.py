@@ -72,6 +72,23 @@ def hub_snapshot(cache_dir: Path, commit: str) -> None:
     (repo / "refs" / "main").write_text(commit)
 
 
+def with_connector(config: Any, **extra: Any) -> Any:
+    """`config` naming the connector, with a host tier of 64 blocks of
+    `one_layer_kv_config` and the `extra` settings."""
+    from vllm.config import KVTransferConfig
+
+    page_bytes = BLOCK_SIZE * 2 * 4
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector="CPUOffloadConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "swap_space_gib": 64 * page_bytes / (1 << 30),
+            **extra,
+        },
+    )
+    return config
+
+
 def one_layer_kv_config(block_size: int = BLOCK_SIZE, num_blocks: int = 16) -> Any:
     """The KV cache config of a model of one attention layer of one KV head of size
     1, as the connector receives it."""
@@ -297,7 +314,6 @@ def test_a_tier_of_unidentified_weights_starts_empty_at_every_start(
 def test_the_connector_runs_without_the_shared_tier_and_says_so_once(
     tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from vllm_cpu_offload import connector as connector_module
@@ -311,15 +327,7 @@ def test_the_connector_runs_without_the_shared_tier_and_says_so_once(
     monkeypatch.setattr(shared_tier_layer, "open_store", no_store)
     monkeypatch.setattr(shared_tier_layer.logger, "warning", warnings.append)
     config = as_hub_model(vllm_config(tiny_model), tmp_path)
-    page_bytes = BLOCK_SIZE * 2 * 4
-    config.kv_transfer_config = KVTransferConfig(
-        kv_connector="CPUOffloadConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={
-            "swap_space_gib": 64 * page_bytes / (1 << 30),
-            "remote_url": "redis://127.0.0.1:9",
-        },
-    )
+    with_connector(config, remote_url="redis://127.0.0.1:9")
     connector = connector_module.CPUOffloadConnector(
         config, KVConnectorRole.SCHEDULER, one_layer_kv_config()
     )

@@ -10,9 +10,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.unit.test_kv_identity import (  # noqa: E402
-    BLOCK_SIZE,
     one_layer_kv_config,
     vllm_config,
+    with_connector,
 )
 from vllm_cpu_offload import layers  # noqa: E402
 from vllm_cpu_offload.scheduler.retention import Retention  # noqa: E402
@@ -25,18 +25,7 @@ from vllm_cpu_offload.spec import OffloadSpec  # noqa: E402
 
 
 def _spec(model: str, **extra: Any) -> OffloadSpec:
-    from vllm.config import KVTransferConfig
-
-    config = vllm_config(model)
-    page_bytes = BLOCK_SIZE * 2 * 4
-    config.kv_transfer_config = KVTransferConfig(
-        kv_connector="CPUOffloadConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={
-            "swap_space_gib": 64 * page_bytes / (1 << 30),
-            **extra,
-        },
-    )
+    config = with_connector(vllm_config(model), **extra)
     return OffloadSpec(config, one_layer_kv_config())
 
 
