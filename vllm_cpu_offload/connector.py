@@ -22,7 +22,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_cpu_offload import lora_identity
 from vllm_cpu_offload.events import remote_kv_events, to_kv_events
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import (
@@ -73,7 +72,6 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: HostTierScheduler | None = None
         self.worker: HostTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            lora_identity.install()  # this process hashes the blocks
             self.scheduler = self.spec.build_scheduler()
         else:
             self.worker = self.spec.build_worker()

@@ -29,8 +29,8 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, PoolEvent
-from vllm_cpu_offload.scheduler.shared_tier import RemoteTierEvent
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks
+from vllm_cpu_offload.scheduler.tier_seams import RemoteTierEvent
 
 # Where the shared store is, relative to the engine that publishes its events.
 LOCALITY_REMOTE = "REMOTE"

@@ -44,9 +44,9 @@ from vllm_cpu_offload.config import (
     parse_swap_space,
     parse_swap_space_path,
 )
+from vllm_cpu_offload.context_parallel import check_context_parallelism
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.kv_identity import host_region_per_stage
-from vllm_cpu_offload.kv_shards import check_context_parallelism
 from vllm_cpu_offload.persist.directory import check_tier_directory, check_tier_fits
 from vllm_cpu_offload.persist.fingerprint import check_stable_block_hashes
 from vllm_cpu_offload.remote.registry import check_remote_url

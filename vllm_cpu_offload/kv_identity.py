@@ -41,6 +41,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_cpu_offload.context_parallel import context_parallel_sizes
 from vllm_cpu_offload.weights_identity import weights_identity
 
 # vLLM's seed for the cryptographic hashes when PYTHONHASHSEED is not set.
@@ -159,15 +160,6 @@ def kv_sharding(vllm_config: Any) -> str:
     if heads < 1 or (heads % tp and tp % heads):
         return RANKS
     return HEADS
-
-
-def context_parallel_sizes(vllm_config: Any) -> tuple[int, int]:
-    """The prefill and decode context-parallel sizes (1 where vLLM has none)."""
-    parallel = vllm_config.parallel_config
-    return (
-        int(getattr(parallel, "prefill_context_parallel_size", 1)),
-        int(getattr(parallel, "decode_context_parallel_size", 1)),
-    )
 
 
 def total_kv_heads(vllm_config: Any) -> int:

@@ -15,13 +15,8 @@ follows how its KV is spread over the ranks (`kv_identity.kv_sharding`):
 - per rank, where neither holds: `tp{t}-pp{p}`, and the namespace keeps the TP size.
 The namespace leaves the TP size out in the first two cases (`kv_identity`).
 
-Context parallelism (vLLM's decode and prefill context-parallel sizes) spreads a
-block's tokens over ranks too, and vLLM hashes blocks of `block_size` times the
-decode size: the tier would need to store and key a block's token shards, which no
-platform this package is tested on runs (vLLM's CPU attention backends cannot return
-the softmax statistics decode context parallelism needs, and its CPU model runner
-refuses prefill context parallelism). It is refused before the engine starts
-(`check_context_parallelism`), never run wrong.
+Context parallelism spreads a block's tokens over ranks too; the tier refuses it
+(`context_parallel.py`).
 """
 
 from __future__ import annotations
@@ -29,14 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_cpu_offload.errors import OffloadConfigError
 from vllm_cpu_offload.kv_identity import (
     HEADS,
     REPLICATED,
     kv_sharding,
     total_kv_heads,
 )
-from vllm_cpu_offload.persist.fingerprint import rank_name, worker_names
+from vllm_cpu_offload.ranks import rank_name, worker_names
 
 
 @dataclass(frozen=True)
@@ -99,18 +93,3 @@ def worker_shards(vllm_config: Any, tp_rank: int, pp_rank: int) -> WorkerShards:
         first, writes = tp_rank // replicas, tp_rank % replicas == 0
     names = tuple(head_name(pp_rank, h) for h in range(first, first + per_rank))
     return WorkerShards(names, writes, per_head=True)
-
-
-def check_context_parallelism(prefill: int, decode: int) -> None:
-    """Refuses context parallelism (see the module docstring)."""
-    for size, flag in (
-        (decode, "--decode-context-parallel-size"),
-        (prefill, "--prefill-context-parallel-size"),
-    ):
-        if size > 1:
-            raise OffloadConfigError(
-                f"--enable-cpu-offload does not support context parallelism "
-                f"({flag} {size}): each rank caches its own share of a block's "
-                f"tokens, which the host tier does not store; use {flag} 1 or drop "
-                "--enable-cpu-offload"
-            )

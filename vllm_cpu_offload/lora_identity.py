@@ -30,9 +30,10 @@ name). An external router that computes block hashes for LoRA requests itself, f
 vLLM's recipe, sees other hashes than this engine's for them; requests without LoRA
 are hashed as before.
 
-Installed by the scheduler half of the connector, in the engine core, the process that
-hashes blocks: vLLM's `generate_block_hash_extra_keys` looks the function up as a
-module global at each call. Without the connector nothing is replaced.
+Installed by the scheduler half of the connector (as a layer, `layers.py`), in the
+engine core, the process that hashes blocks: vLLM's `generate_block_hash_extra_keys`
+looks the function up as a module global at each call. Without the connector nothing
+is replaced.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from vllm_cpu_offload.layers import TierLayer
 from vllm_cpu_offload.weights_identity import checkpoint_digest
+
+if TYPE_CHECKING:
+    from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
 
 # Adapters that nothing on this machine identifies are this process's alone.
 _PROCESS_TOKEN = secrets.token_hex(16)
@@ -88,3 +93,14 @@ def _contents_of(lora_path: str) -> str:
     if local.is_dir() or local.is_file():
         return "files:" + checkpoint_digest(local)
     return "process:" + _PROCESS_TOKEN
+
+
+class LoraIdentityLayer(TierLayer):
+    """Installs the adapter identity in the scheduler half's process, the one that
+    hashes blocks."""
+
+    def attach_scheduler(self, scheduler: HostTierScheduler) -> None:
+        install()
+
+
+layer = LoraIdentityLayer

@@ -73,7 +73,7 @@ def test_start_up_leaves_restored_blocks_and_reads_them_back(
 ) -> None:
     caches, _ = make_kv_caches("LBHNC", device=DEVICE)
     data_file = TierDataFile(str(tier_dir), WORKER, FINGERPRINT)
-    host = HostBuffer.for_kv_caches(caches, HOST_BLOCKS, data_file=data_file)
+    host = HostBuffer.for_kv_caches(caches, HOST_BLOCKS, memory=data_file)
     assert host.pinned == host.tensor.is_pinned()
     engine = _engine(caches, host, backend)
     engine.start_loads([])
@@ -88,7 +88,7 @@ def test_start_up_leaves_restored_blocks_and_reads_them_back(
     for t in caches.values():
         t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
     data_file = TierDataFile(str(tier_dir), WORKER, FINGERPRINT)
-    host = HostBuffer.for_kv_caches(caches, HOST_BLOCKS, data_file=data_file)
+    host = HostBuffer.for_kv_caches(caches, HOST_BLOCKS, memory=data_file)
     assert data_file.rebuilt_because is None
     engine = _engine(caches, host, backend)
     assert torch.equal(host.tensor[0], block_zero)

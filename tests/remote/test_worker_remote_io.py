@@ -196,7 +196,11 @@ def test_an_idle_step_reports_a_fetch_that_ends_while_it_waits(redis_url: str) -
     pytest.importorskip("vllm")
     from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer
     from vllm_cpu_offload.metadata import OffloadStepMetadata
-    from vllm_cpu_offload.worker.tier_worker import HostTierWorker, RemoteSettings
+    from vllm_cpu_offload.worker.shared_tier import (
+        RemoteSettings,
+        attach_shared_tier_worker,
+    )
+    from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
     def caches(seed: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -215,11 +219,11 @@ def test_an_idle_step_reports_a_fetch_that_ends_while_it_waits(redis_url: str) -
         namespace=NAMESPACE,
         shards=WorkerShards(("tp0-pp0",), writes=True, per_head=False),
         timeout_s=5.0,
+        # A wait far longer than the fetch: the assertion does not depend on timing.
+        idle_fetch_wait_s=60.0,
     )
-    # A wait far longer than the fetch: the assertion does not depend on timing.
-    worker = HostTierWorker(
-        HOST_BLOCKS, HOST_BLOCKS, remote=settings, idle_fetch_wait_s=60.0
-    )
+    worker = HostTierWorker(HOST_BLOCKS, HOST_BLOCKS)
+    attach_shared_tier_worker(worker, settings)
     device = caches(10)
     worker.register_kv_caches(device)
     load = AsyncLoad(

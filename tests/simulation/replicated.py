@@ -17,7 +17,7 @@ from unittest import mock
 import torch
 
 import vllm_cpu_offload.kv_identity as kv_identity_module
-import vllm_cpu_offload.spec as spec_module
+import vllm_cpu_offload.worker.region_layer as region_layer
 
 
 class SimSharedRegion:
@@ -26,11 +26,22 @@ class SimSharedRegion:
 
     tensors: dict[str, torch.Tensor] = {}
 
+    shared = True
+
     def __init__(self, name: str, collectives: object, *, leader: bool) -> None:
         self.name = name
         self.leader = leader
+        self.copies_stores = leader
 
-    def map(self, num_slots: int, slot_bytes: int) -> torch.Tensor:
+    def pin(self, tensor: torch.Tensor) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def map(
+        self, num_slots: int, slot_bytes: int, layouts: dict[str, str]
+    ) -> torch.Tensor:
         tensor = self.tensors.get(self.name)
         if tensor is None:
             tensor = torch.zeros((num_slots, slot_bytes), dtype=torch.uint8)
@@ -54,9 +65,9 @@ def replicated_kv(on: bool) -> Iterator[None]:
             mock.patch.object(kv_identity_module, "kv_is_replicated", replicated)
         )
         stack.enter_context(
-            mock.patch.object(spec_module, "SharedRegion", SimSharedRegion)
+            mock.patch.object(region_layer, "SharedRegion", SimSharedRegion)
         )
         stack.enter_context(
-            mock.patch.object(spec_module, "TensorParallelCollectives", lambda: None)
+            mock.patch.object(region_layer, "TensorParallelCollectives", lambda: None)
         )
         yield

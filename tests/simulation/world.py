@@ -226,7 +226,8 @@ class World:
             KVCacheGroupSpec,
         )
 
-        import vllm_cpu_offload.spec as spec_module
+        import vllm_cpu_offload.remote.layer as shared_tier_layer
+        import vllm_cpu_offload.worker.region_layer as region_layer
         from vllm_cpu_offload.connector import CPUOffloadConnector
         from vllm_cpu_offload.kv_shards import worker_shards
 
@@ -274,7 +275,11 @@ class World:
         ranks = []
         for r in range(tp):
             self.backend.next_client = f"{name}/tp{r}"
-            with mock.patch.object(spec_module, "this_ranks", lambda r=r: (r, 0)):
+            ranks_of = lambda r=r: (r, 0)  # noqa: E731
+            with (
+                mock.patch.object(shared_tier_layer, "this_ranks", ranks_of),
+                mock.patch.object(region_layer, "this_ranks", ranks_of),
+            ):
                 worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
             # vLLM's CPU layout: [blocks, kv heads, block size, 2 * head size], the
             # heads this rank holds.

@@ -64,7 +64,7 @@ def test_the_check_leaves_a_restored_block_zero_as_it_was(tmp_path: Path) -> Non
     first = _caches(seed=1)
     stored = {name: t[3].clone() for name, t in first.items()}
     worker = HostTierWorker(
-        HOST_BLOCKS, BLOCKS, data_file=TierDataFile(str(tmp_path), WORKER, FINGERPRINT)
+        HOST_BLOCKS, BLOCKS, memory=TierDataFile(str(tmp_path), WORKER, FINGERPRINT)
     )
     worker.register_kv_caches(first)
     _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, [3], [0], "a")]))
@@ -80,7 +80,7 @@ def test_the_check_leaves_a_restored_block_zero_as_it_was(tmp_path: Path) -> Non
     worker = HostTierWorker(
         HOST_BLOCKS,
         BLOCKS,
-        data_file=data_file,
+        memory=data_file,
         copier_candidates=[("torch views", factory)],
     )
     worker.register_kv_caches(second)

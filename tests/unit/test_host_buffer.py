@@ -125,7 +125,7 @@ def test_a_mapped_tier_that_cannot_be_pinned_runs_unpinned(
     data_file = TierDataFile(str(tmp_path), "tp0-pp0", {"model": "m"})
     with caplog.at_level(logging.WARNING, logger=host_buffer.__name__):
         host = HostBuffer.for_kv_caches(
-            _caches(), num_slots=3, pin=True, data_file=data_file
+            _caches(), num_slots=3, pin=True, memory=data_file
         )
     assert not host.pinned and not host.tensor.is_pinned()
     assert cleared == [True]
@@ -136,7 +136,7 @@ def test_a_mapped_tier_that_cannot_be_pinned_runs_unpinned(
     data_file.close()
     data_file = TierDataFile(str(tmp_path), "tp0-pp0", {"model": "m"})
     again = HostBuffer.for_kv_caches(
-        _caches(), num_slots=3, pin=False, data_file=data_file
+        _caches(), num_slots=3, pin=False, memory=data_file
     )
     assert data_file.rebuilt_because is None
     assert int(again.tensor[2].min()) == 7

@@ -2,7 +2,8 @@
 included.
 
 A circle hides behind an import moved into a function; this reads every import
-statement of every module, wherever it stands, so such an import counts as well.
+statement of every module, wherever it stands, so such an import counts as well. Only
+the imports of `if TYPE_CHECKING:` blocks are left out: they never run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The package's modules that `name` imports anywhere in its source."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom):
@@ -46,6 +47,20 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 found.add(sub if sub in modules else source)
     found.discard(name)
     return {m for m in found if m in modules}
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` but those of `if TYPE_CHECKING:` blocks."""
+    nodes: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        nodes.append(node)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -134,3 +149,49 @@ def test_the_package_imports_nothing_of_its_tests() -> None:
                 assert not (node.module or "").startswith("tests"), name
             elif isinstance(node, ast.Import):
                 assert not any(a.name.startswith("tests") for a in node.names), name
+
+
+# What the connector stands on: a host tier with LRU eviction and the CPU copier, its
+# metrics and events. Every other module is a layer, a copier or a policy that plugs
+# into the core's seams by name (`layers.LAYERS`, `copiers/select.CUDA_COPIERS`,
+# `policies/registry.BUILTIN_POLICIES`).
+CORE = {
+    f"{NAME}.{m}"
+    for m in (
+        "block_transfer config connector context_parallel errors events layers "
+        "metadata metrics spec user_classes scheduler.block_pool scheduler.kv_groups "
+        "scheduler.load_planning scheduler.manager scheduler.policies "
+        "scheduler.policies.base scheduler.policies.lru scheduler.policies.registry "
+        "scheduler.pool_events scheduler.request_state scheduler.stored_blocks "
+        "scheduler.tier_scheduler scheduler.tier_seams scheduler.tier_stats "
+        "worker.copiers.base worker.copiers.copy_threads worker.copiers.select "
+        "worker.copiers.torch_views worker.host_buffer worker.kv_layout "
+        "worker.tier_seams worker.tier_worker worker.transfer_engine "
+        "worker.transfer_jobs"
+    ).split()
+}
+
+
+def _plugged_in_by_name() -> set[str]:
+    from vllm_cpu_offload.layers import LAYERS
+    from vllm_cpu_offload.scheduler.policies.registry import BUILTIN_POLICIES
+    from vllm_cpu_offload.worker.copiers.select import CUDA_COPIERS
+
+    tables = [*BUILTIN_POLICIES.values(), *CUDA_COPIERS.values(), *LAYERS]
+    return {path.partition(":")[0] for path in tables}
+
+
+def test_the_core_imports_none_of_the_layers() -> None:
+    graph = _graph()
+    core = _reachable(f"{NAME}.connector", graph) | {f"{NAME}.connector"}
+    assert core == CORE, "the core changed: a layer belongs behind a seam"
+    by_name = _plugged_in_by_name()
+    assert by_name <= set(graph) and len(by_name) >= 12
+    # Each layer, copier and policy is reached by name only (LRU, the default when
+    # no policy is named, is the one policy of the core).
+    assert core & by_name == {f"{POLICIES}.lru"}
+    # Everything the layers bring is outside the core, and the layers are most of
+    # the package.
+    brought = set().union(*(_reachable(m, graph) | {m} for m in by_name)) - core
+    assert len(brought) > 30
+    assert not any(m.startswith((f"{NAME}.persist", f"{NAME}.remote")) for m in core)

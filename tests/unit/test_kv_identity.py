@@ -301,15 +301,15 @@ def test_the_connector_runs_without_the_shared_tier_and_says_so_once(
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from vllm_cpu_offload import connector as connector_module
-    from vllm_cpu_offload import spec as spec_module
-    from vllm_cpu_offload.scheduler.shared_tier import NoSharedTier
+    from vllm_cpu_offload.remote import layer as shared_tier_layer
+    from vllm_cpu_offload.scheduler.tier_seams import NoSharedTier
 
     def no_store(*args: object, **kwargs: object) -> None:
         raise AssertionError("an engine that shares nothing opened the store")
 
     warnings: list[str] = []
-    monkeypatch.setattr(spec_module, "open_store", no_store)
-    monkeypatch.setattr(spec_module.logger, "warning", warnings.append)
+    monkeypatch.setattr(shared_tier_layer, "open_store", no_store)
+    monkeypatch.setattr(shared_tier_layer.logger, "warning", warnings.append)
     config = as_hub_model(vllm_config(tiny_model), tmp_path)
     page_bytes = BLOCK_SIZE * 2 * 4
     config.kv_transfer_config = KVTransferConfig(
@@ -323,6 +323,6 @@ def test_the_connector_runs_without_the_shared_tier_and_says_so_once(
     connector = connector_module.CPUOffloadConnector(
         config, KVConnectorRole.SCHEDULER, one_layer_kv_config()
     )
+    assert connector.scheduler is not None
     assert type(connector.scheduler.shared) is NoSharedTier
-    assert connector.scheduler is not None and connector.scheduler.namespace == ""
     assert len(warnings) == 1 and "shared tier is off" in warnings[0]

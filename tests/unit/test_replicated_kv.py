@@ -139,7 +139,7 @@ def _workers(ranks: int) -> list[tuple[HostTierWorker, dict]]:
 
     def make(rank: int) -> tuple[HostTierWorker, dict]:
         own = {name: t.clone() for name, t in caches.items()}
-        worker = HostTierWorker(HOST_BLOCKS, BLOCKS, shared_region=stage.region(rank))
+        worker = HostTierWorker(HOST_BLOCKS, BLOCKS, memory=stage.region(rank))
         worker.register_kv_caches(own)
         return worker, own
 
@@ -188,9 +188,7 @@ def _own_buffers(stage: _Stage) -> list[HostBuffer]:
 
     def make(rank: int) -> HostBuffer:
         layouts = {"l0": torch.zeros(BLOCKS, 16, 64)}
-        return HostBuffer.for_kv_caches(
-            layouts, HOST_BLOCKS, shared_region=stage.region(rank)
-        )
+        return HostBuffer.for_kv_caches(layouts, HOST_BLOCKS, memory=stage.region(rank))
 
     buffers: list[HostBuffer] = _in_ranks(2, make)  # type: ignore[assignment]
     for buffer in buffers:

@@ -267,6 +267,14 @@ def _pinned(pool: HostBlockPool, keys: list) -> bool:
 vllm = pytest.importorskip("vllm")
 
 from tests.unit.test_tier_scheduler import HASHER, Engine, _prefill  # noqa: E402
+from vllm_cpu_offload.scheduler.hints_layer import attach_hints  # noqa: E402
+
+
+def _hinted(retain_blocks: int = 0) -> Engine:
+    """An engine whose scheduler reads hints and retains up to `retain_blocks`."""
+    engine = Engine(host_blocks=8)
+    attach_hints(engine.tier, retain_blocks=retain_blocks, max_retain_s=600.0)
+    return engine
 
 
 def _request(req_id: str, tokens: list[int], salt: str | None = None, **hints: Any):
@@ -285,7 +293,7 @@ def _finish(engine: Engine, request: Any) -> None:
 
 
 def test_max_offload_tokens_caps_what_a_request_stores() -> None:
-    engine = Engine(host_blocks=8)
+    engine = _hinted()
     capped = _request("a", list(range(13)), max_offload_tokens=5)
     (store,) = _prefill(engine, capped).stores
     assert len(store.host_block_ids) == 1  # 5 tokens: one whole 4-token block
@@ -297,8 +305,7 @@ def test_hints_past_any_float_go_through_the_scheduler() -> None:
     # A 400-digit `retain` keeps the prefix for `max_retain_s`, a 400-digit
     # `max_offload_tokens` stores all of it. (vLLM 0.32 refuses ints past 64 bits in
     # `extra_args`; the hints are set on the request past that check.)
-    engine = Engine(host_blocks=8)
-    engine.tier.retention.budget = 4
+    engine = _hinted(retain_blocks=4)
     request = _request("h", list(range(13)), retain=1)
     request.kv_transfer_params = {"retain": 10**400, "max_offload_tokens": 10**400}
     _finish(engine, request)
@@ -306,8 +313,7 @@ def test_hints_past_any_float_go_through_the_scheduler() -> None:
 
 
 def test_a_retained_prefix_survives_a_flood_and_is_read_again() -> None:
-    engine = Engine(host_blocks=8)
-    engine.tier.retention.budget = 4
+    engine = _hinted(retain_blocks=4)
     turn1 = _request("t1", list(range(13)), retain=60)
     _finish(engine, turn1)
     assert engine.tier.stats.retained_blocks == 3
@@ -325,8 +331,7 @@ def test_a_retained_prefix_survives_a_flood_and_is_read_again() -> None:
 
 def test_without_the_retain_the_flood_evicts_the_prefix() -> None:
     # The control of the test above: the same flood, no hint.
-    engine = Engine(host_blocks=8)
-    engine.tier.retention.budget = 4
+    engine = _hinted(retain_blocks=4)
     _finish(engine, _request("t1", list(range(13))))
     for i in range(4):
         _finish(

@@ -34,6 +34,7 @@ from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool  # n
 from vllm_cpu_offload.scheduler.kv_groups import kv_groups_of  # noqa: E402
 from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup  # noqa: E402
+from vllm_cpu_offload.scheduler.shared_tier import attach_shared_tier  # noqa: E402
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler  # noqa: E402
 
 BS = 4  # tokens per block
@@ -94,8 +95,9 @@ class Engine:
             num_workers=1,
             block_bytes=64,
             groups=kv_groups_of(config, BS),
-            remote=RemoteLookup(self.store, [RANK], timeout_s=1.0),
-            namespace="ns",
+        )
+        attach_shared_tier(
+            self.tier, RemoteLookup(self.store, [RANK], timeout_s=1.0), namespace="ns"
         )
         self.tier.bind_kv_cache_manager(self.kv)
 

@@ -30,6 +30,7 @@ from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool  # n
 from vllm_cpu_offload.scheduler.kv_groups import kv_groups_of  # noqa: E402
 from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup  # noqa: E402
+from vllm_cpu_offload.scheduler.shared_tier import attach_shared_tier  # noqa: E402
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler  # noqa: E402
 
 BS = 4  # tokens per block
@@ -74,8 +75,9 @@ class Engine:
             groups=kv_groups_of(config, BS),
             blocks_per_host_block=k,
             async_load_tokens=async_load_tokens,
-            remote=remote,
         )
+        if remote is not None:
+            attach_shared_tier(self.tier, remote, namespace="")
         self.tier.bind_kv_cache_manager(self.kv)
 
     def admit(self, request: Request) -> int:

@@ -7,14 +7,13 @@ KV layout, the sizes, and an incarnation id. A file that does not match this wor
 fingerprint or sizes, or that was left open in an earlier boot, is rebuilt empty under a
 new incarnation, which tells the scheduler half that the index no longer describes it. A
 new file gets its space reserved up front (`posix_fallocate`): a tier the file system
-cannot hold fails at start, not with SIGBUS in the middle of serving. This module
-imports torch and the standard library only.
+cannot hold fails at start, not with SIGBUS in the middle of serving. Of third-party
+modules it imports torch only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import secrets
 from pathlib import Path
@@ -25,9 +24,7 @@ import torch
 from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.persist import directory as tier_dir
 from vllm_cpu_offload.persist.tier_file import TierFile
-
-# madvise(MADV_POPULATE_WRITE), Linux 5.14+: backs every page of a new file at start.
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+from vllm_cpu_offload.worker.host_buffer import MADV_POPULATE_WRITE, pin_mapped_file
 
 
 def data_path(path: str, worker: str) -> Path:
@@ -47,7 +44,10 @@ def read_incarnation(path: str, worker: str) -> str | None:
 
 class TierDataFile:
     """The mapped file of one worker; locked from `map` until `close`, or until both
-    this object and the mapping are gone."""
+    this object and the mapping are gone. The host buffer's `MappedMemory`."""
+
+    shared = False  # one worker's file
+    copies_stores = True
 
     def __init__(self, path: str, worker: str, fingerprint: dict[str, Any]) -> None:
         self.path = path
@@ -122,6 +122,9 @@ class TierDataFile:
         if not isinstance(old.get("incarnation"), str):
             return "its metadata is incomplete"
         return None
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        return pin_mapped_file(tensor, self.path)
 
     def close(self) -> None:
         """Flushes the blocks to the file, marks it closed and releases the lock."""

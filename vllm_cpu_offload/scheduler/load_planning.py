@@ -14,10 +14,12 @@ from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState
 from vllm_cpu_offload.scheduler.kv_groups import KVGroup, longest_hit
 from vllm_cpu_offload.scheduler.manager import HostTierManager
-from vllm_cpu_offload.scheduler.request_hints import hints_of
 from vllm_cpu_offload.scheduler.request_state import JobInFlight, RequestState
-from vllm_cpu_offload.scheduler.retention import Retention
-from vllm_cpu_offload.scheduler.shared_tier import NoSharedTier
+from vllm_cpu_offload.scheduler.tier_seams import (
+    NoRetention,
+    NoSharedTier,
+    RequestHints,
+)
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
 if TYPE_CHECKING:
@@ -34,8 +36,8 @@ class LoadPlanning:
     blocks_per_host_block: int
     groups: tuple[KVGroup, ...]
     async_load_tokens: int
-    retention: Retention
-    max_retain_s: float
+    retention: NoRetention
+    read_hints: Callable[[Request], RequestHints]
     _single_full_group: bool
     _null_block_id: int
     _requests: dict[str, RequestState]
@@ -404,8 +406,7 @@ class LoadPlanning:
     def _state(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            hints = hints_of(request, max_retain_s=self.max_retain_s)
-            state = RequestState(request, hints)
+            state = RequestState(request, self.read_hints(request))
             self._requests[request.request_id] = state
         return state
 

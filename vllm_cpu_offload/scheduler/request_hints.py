@@ -21,30 +21,14 @@ belong to other connectors and are left alone.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
+
+from vllm_cpu_offload.scheduler.tier_seams import NO_HINTS, RequestHints
 
 logger = logging.getLogger(__name__)
 
 # `retain: true`: how long the tier keeps the prefix for a client that names no time.
 DEFAULT_RETAIN_S = 300.0
-
-
-@dataclass(frozen=True)
-class RequestHints:
-    """A request's hints; every field None or False where the client said nothing."""
-
-    max_offload_tokens: int | None = None
-    # Seconds to keep the request's blocks from eviction once it finishes.
-    retain_s: float | None = None
-    done: bool = False
-
-    @property
-    def any(self) -> bool:
-        return self != NO_HINTS
-
-
-NO_HINTS = RequestHints()
 
 
 def hints_of(request: Any, *, max_retain_s: float) -> RequestHints:

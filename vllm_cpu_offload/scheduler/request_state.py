@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey
-from vllm_cpu_offload.scheduler.request_hints import NO_HINTS, RequestHints
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks
+from vllm_cpu_offload.scheduler.tier_seams import NO_HINTS, RequestHints
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -62,6 +62,7 @@ from typing import Any
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState
 from vllm_cpu_offload.scheduler.manager import HostTierManager
+from vllm_cpu_offload.scheduler.tier_seams import NoRetention
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
 # The fair share stops shrinking at a sixteenth of the budget: up to 16 tenants share
@@ -83,7 +84,7 @@ class _Retain:
     keys: list[BlockKey]  # in prefix order
 
 
-class Retention:
+class Retention(NoRetention):
     """See the module docstring."""
 
     def __init__(

@@ -5,8 +5,8 @@ several KV cache groups, which of each group's blocks it holds), names the block
 async load fetches and the blocks every store writes through, and settles
 both once every worker reported: fetched blocks become visible (or are freed and not
 asked for again for a while), and a store's host blocks stay held until every
-worker's write-through has read them. `NoSharedTier` is the same seam without a store:
-nothing to ask, fetch or write, and a store's blocks settle when the copy does.
+worker's write-through has read them. It fills the scheduler's `shared` seam
+(`tier_seams.py`), which holds `NoSharedTier` without a store.
 
 It never sees a request: the scheduler half keeps what it asked per request.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm_cpu_offload.block_transfer import BlockTransfer, RemoteBlocks
 from vllm_cpu_offload.metadata import and_of
@@ -25,7 +25,11 @@ from vllm_cpu_offload.scheduler.block_pool import BlockKey
 from vllm_cpu_offload.scheduler.manager import HostTierManager
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks
+from vllm_cpu_offload.scheduler.tier_seams import NoSharedTier, RemoteTierEvent
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
+
+if TYPE_CHECKING:
+    from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
 
 # A block the shared store listed but did not serve is not asked for again for this
 # long (its storage node may have died; a block written again after that is found
@@ -35,79 +39,12 @@ UNFETCHABLE_MAX_KEYS = 1 << 16
 
 
 @dataclass(frozen=True)
-class RemoteTierEvent:
-    """Blocks the shared store holds now ("stored": every worker wrote its shard), or
-    blocks it listed and did not serve ("missing"), in order; for KV events."""
-
-    kind: Literal["stored", "missing"]
-    keys: tuple[BlockKey, ...]
-    # "stored", when every block of a store job was written: what its events say
-    detail: list[StoredBlocks] | None = None
-
-
-@dataclass(frozen=True)
 class _Writing:
     """A store job whose blocks wait until every worker wrote them through."""
 
     keys: list[BlockKey]
     stored: list[StoredBlocks] | None  # for KV events
     success: bool  # every worker's store succeeded
-
-
-class NoSharedTier:
-    """No store: lookups find nothing, loads fetch nothing, stores write nothing."""
-
-    def __init__(self, pool: HostTierManager) -> None:
-        self.pool = pool
-
-    @property
-    def num_held_writes(self) -> int:
-        """Store jobs whose blocks wait for write-throughs (tests, quiescence)."""
-        return 0
-
-    def hits(self, keys: Iterable[BlockKey]) -> int:
-        return 0
-
-    def held(self, keys: Iterable[BlockKey]) -> frozenset[BlockKey]:
-        return frozenset()
-
-    def fetch(
-        self, job_id: int, keys: list[BlockKey], host_blocks: list[int]
-    ) -> RemoteBlocks:
-        return RemoteBlocks(job_id, [], [])
-
-    def fetch_reported(
-        self, job_id: int, fetched: list[BlockKey], arrived: list[bool], reports: int
-    ) -> tuple[list[BlockKey], list[BlockKey]] | None:
-        return None
-
-    def fetch_abandoned(self, job_id: int, fetched: list[BlockKey]) -> None:
-        self.pool.complete_store(fetched, False)
-
-    def write_through(
-        self, store: BlockTransfer, keys: list[BlockKey], *, first: bool = False
-    ) -> list[RemoteBlocks]:
-        return []
-
-    def store_completed(
-        self,
-        job_id: int,
-        keys: list[BlockKey],
-        stored: list[StoredBlocks] | None,
-        success: bool,
-    ) -> None:
-        self.pool.complete_store(keys, success, stored)
-
-    def write_reported(
-        self, job_id: int, count: int, stored: list[bool] | None
-    ) -> None:
-        pass
-
-    def take_events(self) -> list[RemoteTierEvent]:
-        return []
-
-    def close(self) -> None:
-        pass
 
 
 class SharedTier(NoSharedTier):
@@ -315,27 +252,19 @@ class SharedTier(NoSharedTier):
         self.lookup.close()
 
 
-def shared_tier_of(
-    pool: HostTierManager,
-    lookup: RemoteLookup | None,
-    namespace: str,
-    *,
-    num_workers: int,
-    stats: TierStats,
-    blocks_per_host_block: int,
-    block_size: int,
-    record_events: bool,
-) -> NoSharedTier:
-    """The scheduler's view of the store `lookup` asks (none: `NoSharedTier`)."""
-    if lookup is None:
-        return NoSharedTier(pool)
-    return SharedTier(
-        pool,
+def attach_shared_tier(
+    scheduler: HostTierScheduler, lookup: RemoteLookup, namespace: str
+) -> SharedTier:
+    """Plugs the store `lookup` asks into the scheduler's `shared` seam."""
+    shared = SharedTier(
+        scheduler.pool,
         lookup,
         namespace,
-        num_workers=num_workers,
-        stats=stats,
-        blocks_per_host_block=blocks_per_host_block,
-        block_size=block_size,
-        record_events=record_events,
+        num_workers=scheduler.num_workers,
+        stats=scheduler.stats,
+        blocks_per_host_block=scheduler.blocks_per_host_block,
+        block_size=scheduler.block_size,
+        record_events=scheduler.record_stored_blocks,
     )
+    scheduler.shared = shared
+    return shared

@@ -2,8 +2,9 @@
 free.
 
 It runs inside every engine step of vLLM's scheduler and forwards bookkeeping to the
-medium the host blocks live on (`HostTierManager`: the `HostBlockPool`), and to the
-shared store beside it (`shared_tier.py`). Everything is keyed by vLLM's own block
+medium the host blocks live on (`HostTierManager`: the `HostBlockPool`), and to what
+layers plug into its seams (`tier_seams.py`: a shared store, retention, hints).
+Everything is keyed by vLLM's own block
 hashes (`request.block_hashes`, with the KV cache group id), so `cache_salt` isolation
 and LoRA keys hold for free. With vLLM's hybrid KV cache manager there is one key per
 (group, block): a lookup returns the longest hit that every group can serve
@@ -34,11 +35,10 @@ once the load is reported): a second request that arrives meanwhile loads its ow
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer
-from vllm_cpu_offload.config import DEFAULT_MAX_RETAIN_S
 from vllm_cpu_offload.metadata import (
     OffloadStepMetadata,
     OffloadWorkerReport,
@@ -53,11 +53,15 @@ from vllm_cpu_offload.scheduler.kv_groups import (
 )
 from vllm_cpu_offload.scheduler.load_planning import LoadPlanning
 from vllm_cpu_offload.scheduler.manager import HostTierManager
-from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
 from vllm_cpu_offload.scheduler.request_state import JobInFlight, RequestState
-from vllm_cpu_offload.scheduler.retention import Retention
-from vllm_cpu_offload.scheduler.shared_tier import RemoteTierEvent, shared_tier_of
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks, stored_runs
+from vllm_cpu_offload.scheduler.tier_seams import (
+    NoRetention,
+    NoSharedTier,
+    RemoteTierEvent,
+    RequestHints,
+    no_hints,
+)
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
 if TYPE_CHECKING:
@@ -81,11 +85,7 @@ class HostTierScheduler(LoadPlanning):
         groups: Sequence[KVGroup] = FULL_ATTENTION_ONLY,
         record_stored_blocks: bool = False,
         blocks_per_host_block: int = 1,
-        remote: RemoteLookup | None = None,
-        namespace: str = "",
         async_load_tokens: int = 0,
-        retain_blocks: int = 0,
-        max_retain_s: float = DEFAULT_MAX_RETAIN_S,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -111,19 +111,14 @@ class HostTierScheduler(LoadPlanning):
         self._reports: Counter[int] = Counter()
         self._next_job_id = 0
         self._step_loads: list[BlockTransfer] = []
-        # With a shared store: lookups past the host hit, write-through of every
-        # store (every group's blocks), fetches that span steps.
-        self.shared = shared_tier_of(
-            pool,
-            remote,
-            namespace,
-            num_workers=num_workers,
-            stats=self.stats,
-            blocks_per_host_block=blocks_per_host_block,
-            block_size=block_size,
-            record_events=record_stored_blocks,
-        )
-        self.namespace = namespace
+        # The seams a layer fills (`tier_seams.py`, `layers.py`). A shared store:
+        # lookups past the host hit, write-through of every store (every group's
+        # blocks), fetches that span steps.
+        self.shared: NoSharedTier = NoSharedTier(pool)
+        # Blocks kept from eviction for clients that will read them again.
+        self.retention: NoRetention = NoRetention()
+        # What a client says of a request's KV.
+        self.read_hints: Callable[[Request], RequestHints] = no_hints
         # Host hits of at least this many tokens load across steps while other requests
         # run; 0: none. (With several groups every hit does: `get_num_new_matched_...`.)
         self.async_load_tokens = async_load_tokens if self._single_full_group else 0
@@ -134,10 +129,6 @@ class HostTierScheduler(LoadPlanning):
         # Finished requests whose device blocks wait for these store jobs, not yet
         # handed to the workers (that happens in the next step's metadata).
         self._awaiting_stores: dict[str, set[int]] = {}
-        # Requests' hints (`request_hints.py`): at most `retain_blocks` blocks kept
-        # from eviction for clients that will read them again.
-        self.retention = Retention(pool, retain_blocks, self.stats)
-        self.max_retain_s = max_retain_s
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager

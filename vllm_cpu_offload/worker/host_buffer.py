@@ -17,29 +17,26 @@ fails at start, not in the middle of serving. Pinning registers an ordinary allo
 with `cudaHostRegister` instead of asking torch for pinned memory: torch's pinned
 allocator rounds every request up to a power of two, so a 40 GiB `--swap-space` would
 lock 64 GiB. With `--swap-space-path` the same layout lives in a shared mapping of a
-file that outlives the process (`data_file=`, persist/data_file.py), pinned where the
-kernel allows it (tmpfs, not a disk file system: there the tier runs unpinned, reached
-through a pinned bounce buffer, `copiers/bounce.py`). KV that every tensor-parallel
-rank holds alike (MLA) lives in one region all ranks map (`shared_region=`,
-worker/shared_region.py). The
-same layout can live in device memory (`device=`): a few blocks of staging for copies
-that move whole blocks over PCIe (`copiers/staged.py`). Of third-party modules it
-imports torch only.
+file that outlives the process, and KV that every tensor-parallel rank holds alike
+(MLA) in one region all ranks map: a layer's `MappedMemory` (`memory=`), which also
+says how it is pinned. The same layout can live in device memory (`device=`): a few
+blocks of staging for copies that move whole blocks over PCIe (`copiers/staged.py`).
+Of third-party modules it imports torch only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import weakref
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import torch
 
 from vllm_cpu_offload.errors import GIB
-from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
-from vllm_cpu_offload.worker.shared_region import SharedRegion
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +44,38 @@ logger = logging.getLogger(__name__)
 _REGISTER_FLAGS = 0x1 | 0x2
 # Every layer slot starts on a 16-byte boundary so copies can move 8- or 16-byte words.
 SLOT_ALIGNMENT = 16
+
+
+# madvise(MADV_POPULATE_WRITE), Linux 5.14+: backs every page of a mapping at start.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+class MappedMemory(Protocol):
+    """Memory a layer maps for the host buffer instead of this process's own.
+
+    `shared`: other processes map the same memory (the ranks of a stage);
+    `copies_stores`: this process copies stores into it (False where another rank
+    does and this one only loads from it).
+    """
+
+    @property
+    def shared(self) -> bool: ...
+
+    @property
+    def copies_stores(self) -> bool: ...
+
+    def map(
+        self, num_slots: int, slot_bytes: int, layouts: dict[str, str]
+    ) -> torch.Tensor | None:
+        """uint8 `[num_slots, slot_bytes]` over the memory, or None where it
+        cannot be had (the buffer then allocates its own)."""
+        ...
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        """Page-locks the mapped `tensor` for CUDA where it can; whether it did."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class HostBufferError(RuntimeError):
@@ -68,8 +97,7 @@ class HostBuffer:
         slot_offsets: layer name -> byte offset of its layer slot inside every slot.
         block_bytes: bytes of one slot (all layers).
         pinned: whether the memory is page-locked.
-        shared: whether every tensor-parallel rank maps this memory (`shared_region`:
-            replicated KV, stored once).
+        shared: whether other ranks map this memory (replicated KV, stored once).
 
     """
 
@@ -80,8 +108,7 @@ class HostBuffer:
         *,
         pin: bool | None = None,
         device: torch.device | None = None,
-        data_file: TierDataFile | None = None,
-        shared_region: SharedRegion | None = None,
+        memory: MappedMemory | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -99,27 +126,23 @@ class HostBuffer:
         self.pinned = not on_device and (
             torch.cuda.is_available() if pin is None else pin
         )
-        mapped = (
-            shared_region.map(num_slots, self.block_bytes)
-            if shared_region is not None
-            else None
-        )
-        self.shared = mapped is not None
+        mapped = None
+        if memory is not None and not on_device:
+            described = {name: repr(layout) for name, layout in self.layouts.items()}
+            mapped = memory.map(num_slots, self.block_bytes, described)
+        self.shared = mapped is not None and memory is not None and memory.shared
         # Staging, not --swap-space: an allocation error speaks for itself.
         if mapped is not None:
             self.tensor = mapped
         elif on_device:
             shape = (num_slots, self.block_bytes)
             self.tensor = torch.empty(shape, dtype=torch.uint8, device=device)
-        elif data_file is not None:
-            described = {name: repr(layout) for name, layout in self.layouts.items()}
-            self.tensor = data_file.map(num_slots, self.block_bytes, described)
         else:
             self.tensor = _allocate(num_slots, self.block_bytes)
-        if self.pinned and data_file is not None:
-            self.pinned = _pin_mapped_file(self.tensor, data_file.path)
+        if self.pinned and mapped is not None and memory is not None:
+            self.pinned = memory.pin(self.tensor)
         elif self.pinned:
-            _pin(self.tensor)
+            pin_or_refuse(self.tensor)
         if self.pinned:
             # Unpinned when this buffer goes away, while its tensor is still alive.
             weakref.finalize(self, _host_unregister, self.tensor.data_ptr())
@@ -132,8 +155,7 @@ class HostBuffer:
         *,
         num_blocks: int | None = None,
         pin: bool | None = None,
-        data_file: TierDataFile | None = None,
-        shared_region: SharedRegion | None = None,
+        memory: MappedMemory | None = None,
     ) -> HostBuffer:
         """A buffer with one slot per distinct layer tensor (shared KV caches share a
         slot)."""
@@ -146,8 +168,7 @@ class HostBuffer:
             layouts,
             num_slots,
             pin=pin,
-            data_file=data_file,
-            shared_region=shared_region,
+            memory=memory,
         )
 
     @property
@@ -184,13 +205,13 @@ def _allocate(num_blocks: int, block_bytes: int) -> torch.Tensor:
         ) from e
 
 
-def _pin(t: torch.Tensor) -> None:
+def pin_or_refuse(t: torch.Tensor) -> None:
     why = _register(t)
     if why is not None:
         raise _error(t.numel(), "pinned host", why)
 
 
-def _pin_mapped_file(t: torch.Tensor, path: str) -> bool:
+def pin_mapped_file(t: torch.Tensor, path: str) -> bool:
     """Pins a `--swap-space-path` mapping if CUDA can; else the tier runs unpinned.
 
     Whether memory mapped from a file can be page-locked depends on the kernel and the

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from vllm_cpu_offload.errors import GIB
-from vllm_cpu_offload.persist.data_file import MADV_POPULATE_WRITE
+from vllm_cpu_offload.worker.host_buffer import MADV_POPULATE_WRITE, pin_or_refuse
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,24 @@ class SharedRegion:
         self._collectives = collectives
         self.leader = leader
 
-    def map(self, num_slots: int, slot_bytes: int) -> torch.Tensor | None:
+    # The host buffer's `MappedMemory`: every rank of the stage maps it; the leader
+    # alone copies stores into it.
+    shared = True
+
+    @property
+    def copies_stores(self) -> bool:
+        return self.leader
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        pin_or_refuse(tensor)
+        return True
+
+    def close(self) -> None:
+        """The mapping lives as long as the tensor over it."""
+
+    def map(
+        self, num_slots: int, slot_bytes: int, layouts: dict[str, str] | None = None
+    ) -> torch.Tensor | None:
         """The uint8 `[num_slots, slot_bytes]` tensor over the shared region, or None
         where some rank could not map it (then none uses it)."""
         size = num_slots * slot_bytes

@@ -8,9 +8,9 @@ KV cache groups (`AsyncLoad.whole`) is not cut: short of any block it loads noth
 and it says so (`FetchedLoad.failed`: the worker reports the request in vLLM's
 `failed_recving`), as
 vLLM's hybrid manager takes no load error of single blocks. It writes a store
-job's host blocks through once the job's copy is done here. `NoSharedTierWorker` is the
-same seam without a store: a fetch ends at once with nothing arrived, and no write is
-ever planned (the scheduler's `NoSharedTier` plans none).
+job's host blocks through once the job's copy is done here. It fills the worker's
+`shared` seam (`worker/tier_seams.py`), which holds `NoSharedTierWorker` without a
+store.
 
 Every verb returns what ended (`SharedTierDone`); the worker half applies it, loading
 what was fetched and reporting the jobs, so the store never touches the copies.
@@ -18,13 +18,15 @@ what was fetched and reporting the jobs, so the store never touches the copies.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer, RemoteBlocks
+from vllm_cpu_offload.block_transfer import AsyncLoad, RemoteBlocks
 from vllm_cpu_offload.errors import OffloadConfigError
 from vllm_cpu_offload.kv_shards import WorkerShards
 from vllm_cpu_offload.remote.store import RemoteStore
@@ -36,6 +38,19 @@ from vllm_cpu_offload.worker.copiers.copy_threads import (
 from vllm_cpu_offload.worker.head_slices import HeadSliceError, HeadSlices
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.remote_io import RemoteIO
+from vllm_cpu_offload.worker.tier_seams import (
+    FetchedLoad,
+    NoSharedTierWorker,
+    SharedTierDone,
+)
+
+if TYPE_CHECKING:
+    from vllm_cpu_offload.worker.tier_worker import HostTierWorker
+
+# How long a step in which no request computes waits for a fetch to end. Such a step
+# would otherwise return at once, and the engine would spin on empty steps, taking the
+# cores the store's transfer needs; a request that arrives meanwhile waits at most this.
+IDLE_FETCH_WAIT_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -47,115 +62,7 @@ class RemoteSettings:
     # The values this worker reads and writes (`kv_shards.py`).
     shards: WorkerShards
     timeout_s: float
-
-
-@dataclass(frozen=True)
-class FetchedLoad:
-    """An async load whose fetch ended, cut to what the host tier holds now.
-
-    Attributes:
-        arrived: for each fetched host block, whether it is in host memory now.
-        load: the load's pairs before the cut; no pair when nothing is loadable.
-        unloaded: the device blocks it leaves unfilled, for vLLM to recompute.
-        failed: a whole load (several KV cache groups) short of a block: it loads
-            nothing and vLLM recomputes its request.
-
-    """
-
-    arrived: list[bool]
-    load: BlockTransfer
-    unloaded: list[int]
-    failed: bool = False
-
-    @property
-    def job_id(self) -> int:
-        return self.load.job_id
-
-
-@dataclass
-class SharedTierDone:
-    """What the shared tier finished, in the order the worker applies it."""
-
-    fetched: list[FetchedLoad] = field(default_factory=list)
-    # store job -> for each of its blocks, whether the store holds it now
-    written: dict[int, list[bool]] = field(default_factory=dict)
-
-
-def _cut(async_load: AsyncLoad, cut: int, arrived: list[bool]) -> FetchedLoad:
-    load = async_load.load
-    return FetchedLoad(
-        arrived=arrived,
-        load=BlockTransfer(
-            load.job_id,
-            load.device_block_ids[:cut],
-            load.host_block_ids[:cut],
-            req_id=load.req_id,
-        ),
-        unloaded=[*load.device_block_ids[cut:], *async_load.unloadable],
-    )
-
-
-class NoSharedTierWorker:
-    """No store: a fetch ends at once with nothing arrived; nothing is written."""
-
-    @property
-    def remote_io(self) -> RemoteIO | None:
-        """The store's thread (tests wait for it and read what it registered)."""
-        return None
-
-    @property
-    def num_jobs_in_flight(self) -> int:
-        """Fetches and write-throughs planned and not reported yet."""
-        return 0
-
-    def plan_writes(self, writes: Sequence[RemoteBlocks]) -> None:
-        """Takes a step's write-throughs; each starts once its store job is done."""
-        assert not writes, "write-throughs planned without a shared store"
-
-    def fetch(self, async_load: AsyncLoad) -> SharedTierDone:
-        """Starts fetching the hit's missing blocks; returns what ended at once."""
-        nothing = [False] * len(async_load.fetch.keys)
-        return SharedTierDone(
-            fetched=[self._ended(async_load, async_load.fetched_from, nothing)]
-        )
-
-    def _ended(
-        self, async_load: AsyncLoad, cut: int, arrived: list[bool]
-    ) -> FetchedLoad:
-        """The load cut at pair `cut`; a whole load short of any block loads
-        nothing, and its request is failed."""
-        load = async_load.load
-        if async_load.whole and (
-            cut < len(load.device_block_ids) or len(async_load.unloadable) > 0
-        ):
-            return FetchedLoad(
-                arrived=arrived,
-                load=BlockTransfer(load.job_id, [], [], req_id=load.req_id),
-                unloaded=[],
-                failed=True,
-            )
-        return _cut(async_load, cut, arrived)
-
-    def place_threads(self, *, idle: bool) -> None:
-        """Lends the store's threads the model's cores in an `idle` step that waits
-        for fetches; takes them back otherwise."""
-
-    def copy_ended(self, job_id: int, *, stored: bool) -> SharedTierDone:
-        """Copy job `job_id` ended here (`stored`: it succeeded); a store job's host
-        blocks are now what its write-through reads. Returns what ended at once."""
-        return SharedTierDone()
-
-    def poll(self, *, idle: bool) -> SharedTierDone:
-        """What ended since the last poll. An `idle` step first waits a bounded while
-        for a fetch: it would otherwise return at once and the engine would spin."""
-        return SharedTierDone()
-
-    def take_stats(self) -> dict[str, float]:
-        """The store's counters since the last call, each named `remote_*`."""
-        return {}
-
-    def close(self) -> None:
-        """Gives queued writes a bounded while to land, then closes the store."""
+    idle_fetch_wait_s: float = IDLE_FETCH_WAIT_S
 
 
 class SharedTierWorker(NoSharedTierWorker):
@@ -267,19 +174,26 @@ class SharedTierWorker(NoSharedTierWorker):
         self._io.close()
 
 
+def attach_shared_tier_worker(worker: HostTierWorker, settings: RemoteSettings) -> None:
+    """The worker reaches the store `settings` name once its host buffer exists."""
+    worker.open_shared_tier = functools.partial(
+        open_shared_tier_worker,
+        settings,
+        num_device_blocks=worker.num_device_blocks,
+        blocks_per_host_block=worker.blocks_per_host_block,
+    )
+
+
 def open_shared_tier_worker(
-    settings: RemoteSettings | None,
+    settings: RemoteSettings,
     host: HostBuffer,
     kv_caches: dict[str, torch.Tensor],
     *,
     num_device_blocks: int,
     blocks_per_host_block: int,
-    idle_fetch_wait_s: float,
-) -> NoSharedTierWorker:
-    """This worker's seam to the store `settings` name (none: `NoSharedTierWorker`),
-    connected to `host` (made for `kv_caches`)."""
-    if settings is None:
-        return NoSharedTierWorker()
+) -> SharedTierWorker:
+    """This worker's seam to the store `settings` name, connected to `host` (made for
+    `kv_caches`)."""
     k = blocks_per_host_block
     values = block_values_of(
         settings.shards,
@@ -304,7 +218,7 @@ def open_shared_tier_worker(
         io,
         store_threads,
         blocks_per_host_block=k,
-        idle_fetch_wait_s=idle_fetch_wait_s,
+        idle_fetch_wait_s=settings.idle_fetch_wait_s,
         writes_through=settings.shards.writes,
     )
 

@@ -2,7 +2,7 @@
 back.
 
 One instance per worker. It owns the host buffer (through the transfer engine) and its
-seam to the shared store (`shared`, worker/shared_tier.py: a null object without one),
+seam to a shared store (`shared`, `tier_seams.py`: a null object without one),
 and keeps the book of which finished requests still wait for their stores, so that
 their device blocks are freed only after the copies read them.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -20,25 +20,20 @@ import torch
 from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
 from vllm_cpu_offload.metrics import OffloadStats
-from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.worker.copiers.select import Candidate
-from vllm_cpu_offload.worker.host_buffer import HostBuffer
-from vllm_cpu_offload.worker.shared_region import SharedRegion
-from vllm_cpu_offload.worker.shared_tier import (
+from vllm_cpu_offload.worker.host_buffer import HostBuffer, MappedMemory
+from vllm_cpu_offload.worker.tier_seams import (
     FetchedLoad,
     NoSharedTierWorker,
-    RemoteSettings,
     SharedTierDone,
-    open_shared_tier_worker,
 )
 from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
 logger = logging.getLogger(__name__)
 
-# How long a step in which no request computes waits for a fetch to end. Such a step
-# would otherwise return at once, and the engine would spin on empty steps, taking the
-# cores the store's transfer needs; a request that arrives meanwhile waits at most this.
-IDLE_FETCH_WAIT_S = 0.01
+# Opens the worker's seam to a shared store once its host buffer exists: a layer's
+# (`worker/shared_tier.py`), given the buffer and the KV caches it was made for.
+SharedTierOpener = Callable[[HostBuffer, dict[str, torch.Tensor]], NoSharedTierWorker]
 
 
 class TransferFaults(Protocol):
@@ -65,14 +60,11 @@ class HostTierWorker:
         num_slots: int,
         num_device_blocks: int,
         *,
-        data_file: TierDataFile | None = None,
+        memory: MappedMemory | None = None,
         copy_backend: str = "auto",
         fence_stores: bool = False,
         copier_candidates: Sequence[Candidate] | None = None,
-        remote: RemoteSettings | None = None,
         blocks_per_host_block: int = 1,
-        idle_fetch_wait_s: float = IDLE_FETCH_WAIT_S,
-        shared_region: SharedRegion | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.blocks_per_host_block = blocks_per_host_block
@@ -80,12 +72,10 @@ class HostTierWorker:
         self.copy_backend = copy_backend
         self.copier_candidates = copier_candidates
         self.num_device_blocks = num_device_blocks
-        # With --swap-space-path the host buffer is this file, mapped;
-        # else anonymous memory.
-        self.data_file = data_file
-        # Replicated KV (MLA): one host region for every rank of the stage.
-        self.shared_region = shared_region
-        # Whether another rank copies this worker's stores (into the shared region).
+        # Where a layer puts the host buffer (a file of the tier, a region every rank
+        # of a stage maps); None: private memory of this process.
+        self.memory = memory
+        # Whether another rank copies this worker's stores (into memory both map).
         self._stores_elsewhere = False
         self.engine: TransferEngine | None = None
         self._step_stores: list[BlockTransfer] = []
@@ -96,9 +86,10 @@ class HostTierWorker:
         self._load_device_blocks: dict[int, Sequence[int]] = {}
         # request -> store jobs in flight
         self._stores_in_flight: Counter[str] = Counter()
-        self.remote = remote
-        # The store is reached once the host buffer exists (`register_kv_caches`).
+        # The seam to a shared store (`tier_seams.py`), opened by a layer's
+        # `open_shared_tier` once the host buffer exists (`register_kv_caches`).
         self.shared: NoSharedTierWorker = NoSharedTierWorker()
+        self.open_shared_tier: SharedTierOpener | None = None
         # async loads of several KV cache groups in flight: a failed copy fails the
         # request, not single blocks
         self._whole_loads: set[int] = set()
@@ -117,19 +108,17 @@ class HostTierWorker:
         # A test's injector of transfer faults (`TransferFaults`); None in service.
         self.faults: TransferFaults | None = None
         self._idle_step = False
-        self.idle_fetch_wait_s = idle_fetch_wait_s
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         host = HostBuffer.for_kv_caches(
             kv_caches,
             self.num_slots,
             num_blocks=self.num_device_blocks,
-            data_file=self.data_file,
-            shared_region=self.shared_region,
+            memory=self.memory,
         )
-        region = self.shared_region
+        memory = self.memory
         self._stores_elsewhere = (
-            host.shared and region is not None and not region.leader
+            host.shared and memory is not None and not memory.copies_stores
         )
         self.engine = TransferEngine(
             kv_caches,
@@ -138,14 +127,8 @@ class HostTierWorker:
             candidates=self.copier_candidates,
             fence_stores=self.fence_stores,
         )
-        self.shared = open_shared_tier_worker(
-            self.remote,
-            host,
-            kv_caches,
-            num_device_blocks=self.num_device_blocks,
-            blocks_per_host_block=self.blocks_per_host_block,
-            idle_fetch_wait_s=self.idle_fetch_wait_s,
-        )
+        if self.open_shared_tier is not None:
+            self.shared = self.open_shared_tier(host, kv_caches)
 
     def _engine(self) -> TransferEngine:
         assert self.engine is not None, "register_kv_caches was not called"
@@ -362,5 +345,5 @@ class HostTierWorker:
     def shutdown(self) -> None:
         self.drain()
         self.shared.close()
-        if self.data_file is not None:
-            self.data_file.close()
+        if self.memory is not None:
+            self.memory.close()

@@ -24,14 +24,19 @@ to the scratch block and comes back unchanged. It never writes a host block, whi
 `--swap-space-path` may hold a block restored from a previous run; running both
 directions compiles a kernel copier's kernels before serving instead of in a step.
 
-Imports torch; triton only when its kernels are a candidate.
+The CUDA copiers are a table of names (`CUDA_COPIERS`), each imported when it is a
+candidate: the CPU platform imports none of them, and a tier built without one falls
+back as if it had failed its check. Imports torch; triton only when its kernels are a
+candidate.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,9 +45,6 @@ from vllm_cpu_offload.worker.copiers.base import (
     finish_on_host,
     ids_on_host,
 )
-from vllm_cpu_offload.worker.copiers.bounce import BounceBlockCopier
-from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
-from vllm_cpu_offload.worker.copiers.staged import StagedBlockCopier
 from vllm_cpu_offload.worker.copiers.torch_views import TorchBlockCopier
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
@@ -55,6 +57,14 @@ logger = logging.getLogger(__name__)
 # GB/s); at 32 KiB a scattered batch also costs the host a microsecond per 32 KiB. Whole
 # blocks of a layer-compact layout go as one pitched copy each, whatever the run.
 DMA_MIN_RUN_BYTES = 64 << 10
+
+# The CUDA copiers by name: "module:class", imported when a candidate needs it.
+CUDA_COPIERS = {
+    "triton": "vllm_cpu_offload.worker.copiers.triton_kernels:TritonBlockCopier",
+    "dma": "vllm_cpu_offload.worker.copiers.dma:DmaBlockCopier",
+    "staged": "vllm_cpu_offload.worker.copiers.staged:StagedBlockCopier",
+    "bounce": "vllm_cpu_offload.worker.copiers.bounce:BounceBlockCopier",
+}
 
 Caches = Mapping[str, torch.Tensor]
 # Builds a copier between these caches and this host buffer; raises if it cannot.
@@ -169,7 +179,7 @@ def _synchronize(cache: torch.Tensor) -> None:
 def _kernels_or_dma(caches: Caches, host: HostBuffer, *, dma: bool) -> BlockCopier:
     """The copy engines if asked for and they work, else Triton kernels, else torch
     copies."""
-    candidates: list[Candidate] = [("DMA", DmaBlockCopier)] if dma else []
+    candidates: list[Candidate] = [("DMA", _dma)] if dma else []
     candidates.append(("Triton", _triton))
     copier = first_passing(caches, host, candidates)
     if copier is not None:
@@ -180,12 +190,26 @@ def _kernels_or_dma(caches: Caches, host: HostBuffer, *, dma: bool) -> BlockCopi
     return TorchBlockCopier(caches, host)
 
 
+def cuda_copier(name: str) -> Any:
+    """The copier class `CUDA_COPIERS` names.
+
+    Raises:
+        RuntimeError: this tier has no such copier (the candidate is skipped).
+
+    """
+    path = CUDA_COPIERS.get(name)
+    if path is None:
+        raise RuntimeError(f"no {name} copier in this build")
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def _bounce(backend: str) -> CopierFactory:
     """Copies for an unpinned host buffer through a pinned one (`bounce.py`), whose
     device hop is the kernels or, if asked for, the copy engines."""
 
     def make(caches: Caches, host: HostBuffer) -> BlockCopier:
-        return BounceBlockCopier(
+        return cuda_copier("bounce")(
             caches,
             host,
             lambda c, pinned: _kernels_or_dma(c, pinned, dma=backend == "dma"),
@@ -195,14 +219,17 @@ def _bounce(backend: str) -> CopierFactory:
 
 
 def _staged(caches: Caches, host: HostBuffer) -> BlockCopier:
+    staged = cuda_copier("staged")
     try:
-        return StagedBlockCopier(caches, host, gather="dma")
+        return staged(caches, host, gather="dma")
     except RuntimeError:  # no layer-compact layout: gather with the kernels
-        return StagedBlockCopier(caches, host, gather="kernel")
+        return staged(caches, host, gather="kernel")
+
+
+def _dma(caches: Caches, host: HostBuffer) -> BlockCopier:
+    return cuda_copier("dma")(caches, host)
 
 
 def _triton(caches: Caches, host: HostBuffer) -> BlockCopier:
     # Triton only where its kernels are a candidate: the CPU platform runs without it.
-    from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
-
-    return TritonBlockCopier(caches, host)
+    return cuda_copier("triton")(caches, host)

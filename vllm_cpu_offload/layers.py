@@ -1,0 +1,80 @@
+"""The tier's layers: capabilities that plug into the seams of the host tier.
+
+The core (the pool, the two halves, the spec) knows no layer. A layer is a module with
+a `layer` class (a `TierLayer`); `LAYERS` names the modules, one line each, and the
+spec builds the layers whose settings ask for them (`wanted`) in this order. Each
+hook is optional; together they are every seam the core leaves open:
+
+- the scheduler's pool: a persistence listener, and the pool once built (restore);
+- the scheduler half: `HostTierScheduler.shared`, `.retention`, `.read_hints`
+  (`scheduler/tier_seams.py`);
+- the worker half: the memory the host buffer maps (`worker/host_buffer.py`'s
+  `MappedMemory`; at most one layer gives it) and `HostTierWorker.open_shared_tier`
+  (`worker/tier_seams.py`).
+
+Removing a layer's modules and its line here leaves a working tier without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
+    from vllm_cpu_offload.scheduler.pool_events import PersistenceListener
+    from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
+    from vllm_cpu_offload.spec import OffloadSpec
+    from vllm_cpu_offload.worker.host_buffer import MappedMemory
+    from vllm_cpu_offload.worker.tier_worker import HostTierWorker
+
+LAYERS = (
+    "vllm_cpu_offload.lora_identity",
+    "vllm_cpu_offload.scheduler.hints_layer",
+    "vllm_cpu_offload.worker.region_layer",
+    "vllm_cpu_offload.persist.layer",
+    "vllm_cpu_offload.remote.layer",
+)
+
+
+class TierLayer:
+    """One capability of the tier, for one process; built from the spec, which holds
+    the tier's numbers."""
+
+    def __init__(self, spec: OffloadSpec) -> None:
+        self.spec = spec
+
+    @classmethod
+    def wanted(cls, spec: OffloadSpec) -> bool:
+        """Whether the tier's settings ask for this layer."""
+        return True
+
+    def pool_persistence(self) -> PersistenceListener | None:
+        """What the scheduler's pool tells of every block it adds or frees."""
+        return None
+
+    def pool_built(self, pool: HostBlockPool) -> None:
+        """The scheduler's pool exists, empty."""
+
+    def attach_scheduler(self, scheduler: HostTierScheduler) -> None:
+        """Fills the scheduler half's seams."""
+
+    def host_memory(self) -> MappedMemory | None:
+        """The memory this worker's host buffer maps instead of its own."""
+        return None
+
+    def attach_worker(self, worker: HostTierWorker) -> None:
+        """Fills the worker half's seams."""
+
+    def close(self) -> None:
+        """Releases what the layer opened."""
+
+
+def load_layers(spec: OffloadSpec) -> list[TierLayer]:
+    """The layers `spec`'s settings ask for, in `LAYERS` order."""
+    layers = []
+    for name in LAYERS:
+        cls: type[TierLayer] = importlib.import_module(name).layer
+        if cls.wanted(spec):
+            layers.append(cls(spec))
+    return layers
