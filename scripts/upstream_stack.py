@@ -506,6 +506,16 @@ def in_tree_refs(
             else:
                 continue
             break
+    # `from <in-tree package> import <module>` names the module in the import list
+    for node in ast.walk(ast.parse(unit.text)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            IN_TREE_MOD + "."
+        ):
+            base = node.module[len(IN_TREE_MOD) + 1 :]  # type: ignore[index]
+            for alias in node.names:
+                target = module_path(f"{base}.{alias.name}", known)
+                if target:
+                    modules.add(target)
     modules.discard("")
     return modules, units
 
