@@ -96,8 +96,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-import vllm
+# As the kernel tests' conftest does, before the module imports below decorate a kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import vllm  # noqa: E402
 
 assert vllm.__file__.startswith(os.environ["PYTHONPATH"]), vllm.__file__
 try:
