@@ -1,20 +1,22 @@
-"""Writes upstream/*.patch, the package as a `git format-patch` series against vLLM
-0.33.0.
+"""Writes upstream/*.patch, the package as a stack of `git format-patch` patches
+against vLLM 0.33.0.
 
     python scripts/make_upstream_series.py # rewrite upstream/*.patch and README.md
     python scripts/make_upstream_series.py --check # regenerate into a temp dir, compare
     python scripts/make_upstream_series.py --tree DIR # also leave the patched vLLM tree
     in DIR
 
-The series is built, not written: the vLLM 0.33.0 source distribution
+The stack is built, not written: the vLLM 0.33.0 source distribution
 (scripts/fetch_vllm_sdist.sh, checked by sha256) is committed as the base of a scratch
-git repository, each patch below changes that tree and is committed, and `git
-format-patch` writes the commits out. Everything a patch carries comes from this
-repository:
+git repository, and each patch of upstream/stack.toml is committed on it in order,
+then `git format-patch` writes the commits out. Which module, test and docs section each
+patch carries is upstream/stack.toml and scripts/upstream_stack.py (which also checks
+that every prefix of the stack imports and that the stack meets its size bar, printing
+a table per patch). Everything a patch carries comes from this repository:
 
-- every module of `vllm_cpu_offload/` but the plugin-only ones (`PLUGIN_ONLY`) becomes
+- the modules of `vllm_cpu_offload/` but the plugin-only ones (`PLUGIN_ONLY`) become
   `vllm/distributed/kv_transfer/kv_connector/v1/cpu_offload/`, imports rewritten; a
-  module added to the package is picked up by the next run;
+  module added to the package must be given a patch in stack.toml;
 - the engine flags are the keyword arguments and parser flags `flags.py` defines (its
   `_wrap_init` and `_add_flags`): they become EngineArgs fields and `add_cli_args`
   flags, and flags.py's resolution (`resolve_offload`, `check_engine`, ...) becomes the
@@ -39,37 +41,56 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGE = REPO / "vllm_cpu_offload"
-UPSTREAM = REPO / "upstream"
-TEMPLATES = UPSTREAM / "templates"
+from upstream_stack import (
+    BUILDKITE,
+    DOCS_PAGE,
+    IN_TREE,
+    IN_TREE_MOD,
+    PACKAGE,
+    REPO,
+    TEMPLATES,
+    TESTS,
+    TESTS_MOD,
+    UPSTREAM,
+    Manifest,
+    PatchStats,
+    StackError,
+    TestUnit,
+    assign_modules,
+    assign_tests,
+    bar_failures,
+    buildkite,
+    check_docs,
+    count_tests,
+    diff_stats,
+    docs_page,
+    load_manifest,
+    module_text,
+    prefix_violations,
+    stub_inits,
+    table,
+)
+
 # The series' base, the current vLLM release (scripts/test_upstream.sh tests on it). The
 # package supports 0.32 as well, as a plugin; the series has one base.
 VLLM_VERSION = "0.33.0"
 LINE_LENGTH = 88  # vLLM's ruff line length
 
-IN_TREE = "vllm/distributed/kv_transfer/kv_connector/v1/cpu_offload"
-IN_TREE_MOD = IN_TREE.replace("/", ".")
-TESTS = "tests/v1/kv_connector/cpu_offload"
-TESTS_MOD = TESTS.replace("/", ".")
 CONNECTOR = "CPUOffloadConnector"
 
 # scripts/test_upstream.sh on the 2-core CI machine, measured (upstream/README.md).
-STAGE_TIME = "3 minutes"
+STAGE_TIME = "9 minutes"
 
 AUTHOR_NAME = "vllm-cpu-offload"
 AUTHOR_EMAIL = "vllm-cpu-offload@users.noreply.github.com"
 DATE = "2026-11-24T12:00:00+0000"
 
-# Package modules that only exist to patch vLLM from outside: in tree they are real code
-# in vLLM's own files (EngineArgs, KVConnectorFactory, the CPU executor) or not needed
-# at all.
-PLUGIN_ONLY = {"__init__.py", "plugin.py", "flags.py", "omp_cores.py", "testing"}
 # Top-level names of flags.py that patch EngineArgs at runtime; the rest is the
 # resolution of the flags, which the in-tree EngineArgs calls.
 FLAGS_PATCH_ONLY = {
@@ -237,16 +258,7 @@ def in_tree_flags() -> str:
 # --------------------------------------------------------------------------- patches
 
 
-def stage_connector(tree: Path) -> None:
-    dst_root = tree / IN_TREE
-    for src in sorted(PACKAGE.rglob("*")):
-        rel = src.relative_to(PACKAGE)
-        if rel.parts[0] in PLUGIN_ONLY or "__pycache__" in rel.parts or src.is_dir():
-            continue
-        if src.suffix in (".pyc",):
-            continue
-        copy_rewritten(src, dst_root / rel)
-    shutil.copy(TEMPLATES / IN_TREE / "__init__.py", dst_root / "__init__.py")
+def stage_factory(tree: Path) -> None:
     replace_once(
         tree / "vllm/distributed/kv_transfer/kv_connector/factory.py",
         '    "SimpleCPUOffloadConnector",\n)\n',
@@ -359,209 +371,140 @@ def _drop_function(text: str, name: str) -> str:
     return "".join(lines[:start]) + "".join(lines[end:]).lstrip("\n")
 
 
-def copy_test(src: Path, dst: Path, tree: Path) -> None:
+def test_text(src: Path, name: str) -> str:
     """A test file moved deeper: `Path(__file__).parents[n]` that named the repository
     root names vLLM's root."""
     old = len(src.relative_to(REPO).parts) - 1
-    new = len(dst.relative_to(tree).parts) - 1
-    text = re.sub(
-        rf"(Path\(__file__\)(?:\.resolve\(\))?\.parents\[){old}\]",
-        rf"\g<1>{new}]",
-        src.read_text(),
+    new = len(Path(TESTS, name).parts) - 1
+    return rewrite(
+        re.sub(
+            rf"(Path\(__file__\)(?:\.resolve\(\))?\.parents\[){old}\]",
+            rf"\g<1>{new}]",
+            src.read_text(),
+        )
     )
-    write(dst, rewrite(text))
 
 
-def copy_test_helpers(dst: Path) -> None:
-    """The TEST_HELPERS that the tests in `dst`, or helpers copied before, import."""
-    copied: set[str] = set()
-    while True:
-        text = "".join(p.read_text() for p in sorted(dst.rglob("*.py")))
-        wanted = [
-            m
-            for m in TEST_HELPERS
-            if m not in copied and re.search(rf"{re.escape(TESTS_MOD)}\.{m}\b", text)
-        ]
-        if not wanted:
-            return
-        for m in wanted:
-            copy_rewritten(PACKAGE / f"testing/{m}.py", dst / f"{m}.py")
-            copied.add(m)
-
-
-def stage_tests(tree: Path) -> None:
-    dst = tree / TESTS
+def test_units() -> list[TestUnit]:
+    """Every file the stack may put in the in-tree test folder, in-tree text."""
+    units = []
     for src in sorted((REPO / "tests/unit").glob("*.py")):
         if src.name not in PLUGIN_ONLY_TESTS:
-            copy_test(src, dst / src.name, tree)
+            units.append(TestUnit(src.name, test_text(src, src.name)))
     for src in sorted((REPO / "tests/kernels").glob("*.py")):
-        copy_test(src, dst / "kernels" / src.name, tree)
+        units.append(
+            TestUnit(f"kernels/{src.name}", test_text(src, f"kernels/{src.name}"))
+        )
     for src in sorted((REPO / "tests/external_policy").glob("*.py")):
-        copy_rewritten(src, dst / "external_policy" / src.name)
-    copy_rewritten(REPO / "tests/fault_injection.py", dst / "fault_injection.py")
+        units.append(TestUnit(f"external_policy/{src.name}", rewrite(src.read_text())))
+    units.append(
+        TestUnit(
+            "fault_injection.py",
+            rewrite((REPO / "tests/fault_injection.py").read_text()),
+        )
+    )
     scheduler_test = (
         REPO / "tests/vllm_helpers/test_vllm_scheduler_with_our_connector.py"
     )
     # In tree vLLM's connector test helpers are a plain import (conftest.py:
     # vllm_utils).
     text = _drop_function(scheduler_test.read_text(), "vllm_utils")
-    write(dst / "test_vllm_scheduler.py", rewrite(text))
+    units.append(TestUnit("test_vllm_scheduler.py", rewrite(text)))
     for src in sorted((TEMPLATES / TESTS).rglob("*.py")):
-        write(dst / src.relative_to(TEMPLATES / TESTS), src.read_text())
-    copy_test_helpers(dst)
-    for folder in (dst, dst / "kernels", dst / "external_policy"):
-        (folder / "__init__.py").touch()
+        units.append(
+            TestUnit(src.relative_to(TEMPLATES / TESTS).as_posix(), src.read_text())
+        )
+    for m in TEST_HELPERS:
+        units.append(
+            TestUnit(f"{m}.py", rewrite((PACKAGE / f"testing/{m}.py").read_text()))
+        )
+    names = {u.name for u in units}
+    for folder in ("kernels", "external_policy"):
+        if f"{folder}/__init__.py" not in names:
+            units.append(TestUnit(f"{folder}/__init__.py", ""))
+    if "__init__.py" not in names:
+        units.append(TestUnit("__init__.py", ""))
+    return units
 
 
-def stage_docs(tree: Path) -> None:
-    usage = (TEMPLATES / "docs/features/cpu_offload_connector.md").read_text()
-    design = (REPO / "docs/design.md").read_text()
-    # The package's design notes from "One engine step" on; links to its other docs
-    # dropped.
-    start = design.index("## One engine step")
-    design = re.sub(r"\[([^\]]+)\]\((?!https?:)[^)]*\)", r"\1", design[start:])
-    design = re.sub(r"^## ", "### ", design, flags=re.M)
-    write(
-        tree / "docs/features/cpu_offload_connector.md",
-        usage.rstrip("\n") + "\n\n## Design\n\n" + rewrite(design),
+STAGE_FUNCTIONS: dict[str, Callable[[Path], None]] = {
+    "factory": stage_factory,
+    "engine_args": stage_engine_args,
+    "omp_cores": stage_omp_cores,
+}
+# What vLLM's CI step watches, by the stage that changes it.
+STAGE_SOURCES = {
+    "factory": "vllm/distributed/kv_transfer/kv_connector/factory.py",
+    "engine_args": "vllm/engine/arg_utils.py",
+    "omp_cores": "vllm/utils/ompmultiprocessing.py",
+}
+
+
+def render(tree: Path, manifest: Manifest, upto: int, units: list[TestUnit]) -> None:
+    """Writes what the stack holds after patch `upto` (cumulative; what did not change
+    formats back to the committed bytes) and runs that patch's stages."""
+    patches = manifest.patches[: upto + 1]
+    prefix = {m for p in patches for m in p.modules}
+    dst = tree / IN_TREE
+    for rel in sorted(prefix):
+        write(dst / rel, rewrite(module_text(manifest, rel, prefix)))
+    for rel, text in stub_inits(prefix).items():
+        write(dst / rel, text)
+    shutil.copy(TEMPLATES / IN_TREE / "__init__.py", dst / "__init__.py")
+    for stage in manifest.patches[upto].stages:
+        STAGE_FUNCTIONS[stage](tree)
+    shipped = [u for u in units if 0 <= u.patch <= upto]
+    for unit in shipped:
+        write(tree / TESTS / unit.name, unit.text)
+    tests = sorted(u.name for u in shipped if u.is_test)
+    if tests:
+        sources = [f"{IN_TREE}/", f"{TESTS}/"] + [
+            STAGE_SOURCES[s] for p in patches for s in p.stages
+        ]
+        write(tree / BUILDKITE, buildkite(tests, sources))
+    page = docs_page(manifest, upto, rewrite)
+    if page is not None:
+        write(tree / DOCS_PAGE, page)
+
+
+def commit_message(manifest: Manifest, upto: int, units: list[TestUnit]) -> str:
+    patch = manifest.patches[upto]
+    added = [u for u in units if u.patch == upto and u.is_test]
+    n_tests = sum(count_tests(u.text) for u in added)
+    prefix = {m for p in manifest.patches[: upto + 1] for m in p.modules}
+    py_modules = [m for m in prefix if m.endswith(".py")]
+    checks = [
+        "vLLM's pinned ruff (check and format) on the Python files it changes",
+        f"an import of each of the {len(py_modules)} in-tree modules present",
+    ]
+    if added:
+        files = ", ".join(Path(u.name).name for u in added)
+        checks.append(
+            f"pytest on the {len(added)} test files it adds ({n_tests} tests: {files})"
+        )
+    if patch.e2e:
+        checks.append(
+            "the end-to-end LLM tests "
+            + ", ".join(patch.e2e)
+            + ", here and again on the whole stack"
+        )
+    if "factory" in patch.stages:
+        checks.append("vLLM's own tests of the connector factory")
+    result = (
+        "scripts/test_upstream.sh applies the stack to vLLM "
+        f"{VLLM_VERSION} one patch at a time; at this patch it runs "
+        + "; ".join(checks)
+        + "."
     )
-
-
-def stage_benchmark(tree: Path) -> None:
-    copy_rewritten(
-        REPO / "benchmarks/pool_microbench.py",
-        tree / "benchmarks/kv_offload/benchmark_cpu_offload_pool.py",
+    body = "\n\n".join(
+        f"## {h}\n\n{textwrap.fill(t, 72) if h == 'Test Result' else t}"
+        for h, t in (
+            ("Purpose", patch.purpose),
+            ("Test Plan", patch.test_plan),
+            ("Test Result", result),
+        )
     )
-
-
-@dataclass(frozen=True)
-class Patch:
-    stage: Callable[[Path], None]
-    title: str
-    body: str
-
-
-PATCHES = (
-    Patch(
-        stage_connector,
-        f"[KV Connector] Add {CONNECTOR}: a host-memory tier for the prefix cache",
-        """\
-Long-document QA, multi-turn chat and agent loops re-read the same
-prefixes. When their KV no longer fits in device memory, vLLM recomputes
-it. This connector keeps every full KV block it sees in a fixed pool of
-host memory, keyed by vLLM's own block hashes, and when a later request
-shares a prefix whose blocks left the device it loads them back, layer
-by layer inside the same step, instead of recomputing them.
-
-It is a KVConnectorBase_V1 that only forwards: the scheduler role to a
-host block pool with pluggable eviction (prefix_aware by default, lru),
-the worker role to a transfer engine (Triton kernels or the copy engines
-on CUDA, tensor views on CPU). It supports the hybrid KV cache manager
-(SupportsHMA), reports failed loads as invalid blocks so that they are
-recomputed, and publishes Prometheus metrics and KV events (medium CPU).
-
-Registered in KVConnectorFactory as CPUOffloadConnector; until the next
-patch adds the engine flags, it is selected with
-
-  --kv-transfer-config \\
-    '{"kv_connector": "CPUOffloadConnector", "kv_role": "kv_both"}'
-""",
-    ),
-    Patch(
-        stage_engine_args,
-        "[Core] Add --enable-cpu-offload and --swap-space to turn on the host KV tier",
-        """\
-Turning the host tier on should not take a JSON connector config.
---enable-cpu-offload turns it on (4 GiB per worker, the size
---swap-space had before it was removed) and --swap-space GIB sizes it.
-Both are EngineArgs fields, so LLM(..., enable_cpu_offload=True,
-swap_space=8) works as `vllm serve ... --enable-cpu-offload --swap-space
-8` does.
-
-create_engine_config resolves them to a kv_transfer_config naming
-CPUOffloadConnector (with kv_load_failure_policy=recompute: a host block
-that fails to load is a cache miss, not a failed request), so every
-process receives the tier through the config it already gets. The
-resolved size lives in the connector's kv_connector_extra_config, not in
-a second copy on CacheConfig that could disagree with it.
-
-Bad input is refused before anything starts, with one line that names
-the fix: --swap-space without --enable-cpu-offload (so vLLM without the
-enable flag behaves exactly as before), a size that is not a positive
-number or exceeds the host memory available, another KV connector or
---kv-offloading-size at the same time, and models whose state the tier
-cannot hold (Mamba-style layers).
-""",
-    ),
-    Patch(
-        stage_omp_cores,
-        f"[Core] Keep the model's OpenMP cores with {CONNECTOR} on the CPU backend",
-        """\
-The CPU executor reserves one more core per local worker whenever any
-kv_transfer_config is set; it is meant for NIXL's transfer threads. The
-host tier needs none: its copies run on the worker's own thread between
-forward passes. The reservation would only change the model's OpenMP
-threads: on a large machine it takes a core away from the model, on a
-small one vLLM drops the reservation and the model gets one more thread
-than without a connector. A different thread count changes the order of
-bf16 reductions, and so greedy tokens, before the host tier has served
-anything.
-
-With this change the flag leaves the model's cores and binding as they
-are without it; VLLM_CPU_NUM_OF_RESERVED_CPU and
-VLLM_CPU_OMP_THREADS_BIND still decide when set.
-""",
-    ),
-    Patch(
-        stage_tests,
-        f"[CI/Build] Add tests for {CONNECTOR} and the host-tier engine flags",
-        """\
-tests/v1/kv_connector/cpu_offload/ covers the tier from its parts to the
-engine:
-
-- the host block pool (scenarios, and a hypothesis state machine against
-  a model of it), the eviction policies and their registry, the KV cache
-  groups of hybrid models, the scheduler half's load and store plans,
-  the worker half, the host buffer, the block layouts and copies
-  (byte-exact; the Triton kernel tests run in interpreter mode without a
-  GPU);
-- the connector inside vLLM's own Scheduler, driven by the connector
-  test helpers of tests/v1/kv_connector/unit/utils.py: lifecycle, an
-  evicted prefix back from the host tier, failed loads recomputed
-  through the invalid-block path, preemption, sleep;
-- the engine flags (fields, parser, one-line errors) and
-  LLM(enable_cpu_offload=True, swap_space=...) on a small generated
-  model: re-reads served from host memory with the same greedy outputs
-  as without the flag.
-
-The engine tests use a Llama-style model written locally in seconds
-(tiny_model.py: a config, a word-level tokenizer and random weights), so
-they need no download.
-""",
-    ),
-    Patch(
-        stage_docs,
-        f"[Doc] Add the {CONNECTOR} usage and design page",
-        """\
-How to turn the host tier on (the two flags, or --kv-transfer-config
-with its keys), how to size it, how it behaves with hybrid models and on
-the CPU backend, its metrics and events, and how one engine step moves
-blocks between device and host memory.
-""",
-    ),
-    Patch(
-        stage_benchmark,
-        f"[Benchmark] Add a micro-benchmark of the {CONNECTOR} host block pool",
-        """\
-Every scheduler step looks up, pins, stores and evicts host blocks, so
-each of these must be O(1) per block. The benchmark times each operation
-per block for every built-in eviction policy (about 1 us per block here)
-and writes the figures as JSON. End-to-end figures come from
-benchmarks/benchmark_long_document_qa_throughput.py, which takes the new
-engine flags as it takes any other.
-""",
-    ),
-)
+    return f"{patch.title}\n\n{body}\n"
 
 
 # --------------------------------------------------------------------------- git, ruff
@@ -736,18 +679,48 @@ def base_tree(sdist: Path, tree: Path) -> None:
     git(tree, "tag", "base")
 
 
-def build(sdist: Path, tree: Path, out: Path) -> list[Path]:
-    """Builds the series on a copy of `sdist` in `tree`; writes it and the cover to
+@dataclass(frozen=True)
+class Stack:
+    manifest: Manifest
+    units: list[TestUnit]
+    stats: list[PatchStats]
+    patches: list[Path]
+
+
+def plan() -> tuple[Manifest, list[TestUnit]]:
+    """The manifest with every module, test and docs section placed; raises
+    StackError where the package and upstream/stack.toml disagree."""
+    manifest = load_manifest()
+    check_docs(manifest)
+    units = test_units()
+    assign_tests(manifest, units)
+    return manifest, units
+
+
+def build(sdist: Path, tree: Path, out: Path) -> Stack:
+    """Builds the stack on a copy of `sdist` in `tree`; writes it and the cover to
     `out`."""
+    manifest, units = plan()
     base_tree(sdist, tree)
     version = ruff_version(sdist)
     ruff = ruff_command(version)
-    for patch in PATCHES:
-        patch.stage(tree)
+    stats = []
+    for i, patch in enumerate(manifest.patches):
+        render(tree, manifest, i, units)
         format_python(tree, ruff)
         git(tree, "add", "-A", "-f")
-        message = f"{patch.title}\n\n{patch.body}"
-        git(tree, "commit", "-q", "--no-verify", "-m", message)
+        git(
+            tree,
+            "commit",
+            "-q",
+            "--no-verify",
+            "--allow-empty",
+            "--cleanup=verbatim",
+            "-m",
+            commit_message(manifest, i, units),
+        )
+        diff = git(tree, "show", "-U0", "--format=", "HEAD")
+        stats.append(diff_stats(patch.title, diff, bool(patch.modules)))
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.patch"):
         old.unlink()
@@ -763,34 +736,52 @@ def build(sdist: Path, tree: Path, out: Path) -> list[Path]:
         "base..HEAD",
     )
     patches = sorted(out.glob("*.patch"))
-    write(out / "README.md", cover_letter(tree, patches, version))
-    return patches
+    stack = Stack(manifest, units, stats, patches)
+    write(out / "README.md", cover_letter(tree, stack, version))
+    return stack
 
 
-def cover_letter(tree: Path, patches: list[Path], ruff_version: str) -> str:
+def cover_letter(tree: Path, stack: Stack, ruff_version: str) -> str:
     listing = "\n".join(
-        f"{i}. `{p.name}`: {patch.title}"
-        for i, (p, patch) in enumerate(zip(patches, PATCHES, strict=True), 1)
+        f"{i}. `{p.name}`: {s.title}"
+        for i, (p, s) in enumerate(zip(stack.patches, stack.stats, strict=True), 1)
     )
     diffstat = git(tree, "diff", "--stat=100", "--summary", "base..HEAD").rstrip()
-    commits = git(tree, "rev-list", "--reverse", "base..HEAD").split()
-    per_patch = "\n".join(
-        f"{p.name}: " + git(tree, "show", "--shortstat", "--format=", sha).strip()
-        for p, sha in zip(patches, commits, strict=True)
-    )
     fields = ", ".join(
         f"`{f.name}: {f.annotation} = {f.default}`" for f in engine_fields()
     )
     template = Template((TEMPLATES / "README.md.in").read_text())
     return template.substitute(
         patches=listing,
+        table=table(stack.stats),
+        num_patches=len(stack.patches),
         diffstat=diffstat,
-        per_patch=per_patch,
         fields=fields,
         version=VLLM_VERSION,
         ruff=ruff_version,
         stage_time=STAGE_TIME,
     )
+
+
+def static_report() -> int:
+    """The manifest's checks that need no vLLM tree: modules placed, docs sections
+    placed, tests placed, every prefix importing only modules of the prefix."""
+    try:
+        manifest, units = plan()
+    except StackError as e:
+        print(f"error: {e}")
+        return 1
+    unmatched = assign_modules(load_manifest())
+    for pattern in unmatched:
+        print(f"note: stack.toml names {pattern}, which the package does not have")
+    violations = prefix_violations(manifest)
+    for v in violations:
+        print(f"prefix violation: {v}")
+    for i, patch in enumerate(manifest.patches):
+        tests = [u.name for u in units if u.patch == i and u.is_test]
+        print(f"{i + 1:>2} {patch.title}\n     modules: {' '.join(patch.modules)}")
+        print(f"     tests: {' '.join(tests)}")
+    return 1 if violations else 0
 
 
 def main() -> int:
@@ -805,24 +796,58 @@ def main() -> int:
     )
     parser.add_argument("--tree", type=Path, help="build the patched tree here (kept)")
     parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print where modules and tests go, and the prefix check; build nothing",
+    )
+    parser.add_argument(
+        "--allow-violations",
+        action="store_true",
+        help="write the stack even where a prefix does not import or the bar is broken",
+    )
+    parser.add_argument(
         "--print-ruff",
         action="store_true",
         help="print the command of the ruff vLLM's pre-commit pins, build nothing",
     )
     args = parser.parse_args()
-    sdist = args.sdist or fetch_full_sdist()
+    if args.plan:
+        return static_report()
     if args.print_ruff:
+        sdist = args.sdist or fetch_full_sdist()
         print(shlex.join(ruff_command(ruff_version(sdist))))
         return 0
+    try:
+        manifest, _ = plan()
+    except StackError as e:
+        print(f"error: {e}")
+        return 1
+    violations = prefix_violations(manifest)
+    for v in violations:
+        print(f"prefix violation: {v}")
+    sdist = args.sdist or fetch_full_sdist()
     with tempfile.TemporaryDirectory(prefix="upstream-") as tmp:
         tree = args.tree or Path(tmp) / "vllm"
         if tree.exists():
             shutil.rmtree(tree)
-        out = Path(tmp) / "series" if args.check else UPSTREAM
-        patches = build(sdist, tree, out)
+        out = Path(tmp) / "series"
+        stack = build(sdist, tree, out)
+        patches = stack.patches
+        print(table(stack.stats))
+        failures = bar_failures(stack.stats)
+        for failure in failures:
+            print(f"bar: {failure}")
+        broken = bool(failures or violations)
+        if broken and not args.allow_violations:
+            print("the stack does not meet its bar (above); nothing written")
+            return 1
         if not args.check:
-            print("\n".join(str(p.relative_to(REPO)) for p in patches))
-            return 0
+            for old in UPSTREAM.glob("*.patch"):
+                old.unlink()
+            for new in [*patches, out / "README.md"]:
+                shutil.copy(new, UPSTREAM / new.name)
+                print(f"upstream/{new.name}")
+            return 1 if broken else 0
         names = sorted(p.name for p in out.iterdir() if p.suffix in (".patch", ".md"))
         committed = sorted(
             p.name

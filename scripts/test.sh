@@ -17,7 +17,7 @@ took() {
 bash scripts/setup_env.sh
 PY="${VENV:-.venv}/bin/python"
 "$PY" -m ruff check vllm_cpu_offload vllm_cpu_offload_hook.py setup.py tests benchmarks \
-  scripts/make_upstream_series.py
+  scripts/make_upstream_series.py scripts/upstream_stack.py
 "$PY" -m mypy vllm_cpu_offload vllm_cpu_offload_hook.py
 took "set-up, ruff and mypy"
 # The whole suite runs in two pytest-xdist processes, a test file to each at a time (its

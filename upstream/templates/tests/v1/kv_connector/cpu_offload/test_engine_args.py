@@ -71,12 +71,16 @@ def test_enable_resolves_to_the_connector(tiny_model: str) -> None:
 
 
 def test_enable_alone_gets_the_default_size(tiny_model: str) -> None:
-    config = EngineArgs(model=tiny_model, enable_cpu_offload=True).create_engine_config()
+    config = EngineArgs(
+        model=tiny_model, enable_cpu_offload=True
+    ).create_engine_config()
     extra = config.kv_transfer_config.kv_connector_extra_config
     assert extra["swap_space_gib"] == DEFAULT_SWAP_SPACE_GIB
 
 
 def test_off_leaves_the_config_as_before(tiny_model: str) -> None:
-    assert EngineArgs(model=tiny_model).create_engine_config().kv_transfer_config is None
+    assert (
+        EngineArgs(model=tiny_model).create_engine_config().kv_transfer_config is None
+    )
     with pytest.raises(OffloadConfigError, match="needs --enable-cpu-offload"):
         EngineArgs(model=tiny_model, swap_space=8).create_engine_config()

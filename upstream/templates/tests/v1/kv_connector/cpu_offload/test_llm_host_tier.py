@@ -1,21 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""LLM(enable_cpu_offload=True, swap_space=...) serves re-reads from host memory, with
-the greedy outputs of the same engine without the flag."""
+"""LLM(kv_transfer_config=CPUOffloadConnector) serves re-reads from host memory, with
+the greedy outputs of the same engine without it."""
 
 import gc
 import random
 
-import pytest
-
 from tests.v1.kv_connector.cpu_offload.tiny_model import random_token_ids
 from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
 BLOCK_SIZE = 32
 DEVICE_BLOCKS = 24  # the device cache holds about two of the documents
 DOCS = 6
 DOC_TOKENS = 300
+FULL_BLOCKS = (DOC_TOKENS - 1) // BLOCK_SIZE
 
 
 def read_twice(model: str, **flags: object) -> list[tuple[list[int], int]]:
@@ -35,7 +35,9 @@ def read_twice(model: str, **flags: object) -> list[tuple[list[int], int]]:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     results = []
     for doc in docs * 2:
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False)
+        (out,) = llm.generate(
+            [TokensPrompt(prompt_token_ids=doc)], params, use_tqdm=False
+        )
         results.append((list(out.outputs[0].token_ids), out.num_cached_tokens or 0))
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -43,15 +45,19 @@ def read_twice(model: str, **flags: object) -> list[tuple[list[int], int]]:
     return results
 
 
-@pytest.mark.parametrize("swap_space", [0.05])
-def test_rereads_come_from_host_memory_with_the_same_tokens(
-    tiny_model: str, swap_space: float
-) -> None:
+def test_rereads_come_from_host_memory_with_the_same_tokens(tiny_model: str) -> None:
     without = read_twice(tiny_model)
-    with_flag = read_twice(tiny_model, enable_cpu_offload=True, swap_space=swap_space)
-    assert [tokens for tokens, _ in with_flag] == [tokens for tokens, _ in without]
-    # Without the flag the device cache is too small to keep any document until its
+    with_tier = read_twice(
+        tiny_model,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="CPUOffloadConnector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"swap_space_gib": 0.05},
+        ),
+    )
+    assert [tokens for tokens, _ in with_tier] == [tokens for tokens, _ in without]
+    # Without the tier the device cache is too small to keep any document until its
     # re-read; with it, every full block of each re-read comes back from host memory.
     assert all(cached == 0 for _, cached in without[DOCS:])
-    full_blocks = (DOC_TOKENS - 1) // BLOCK_SIZE
-    assert all(cached >= full_blocks * BLOCK_SIZE for _, cached in with_flag[DOCS:])
+    assert all(cached >= FULL_BLOCKS * BLOCK_SIZE for _, cached in with_tier[DOCS:])
