@@ -43,9 +43,9 @@ from vllm_cpu_offload.scheduler.policies import (  # noqa: E402
     BlockState,
     EvictionPolicy,
     HostBlock,
-    make_policy,
 )
 from vllm_cpu_offload.scheduler.policies.lirs import _HIR, _LIR, LIRSPolicy  # noqa: E402
+from vllm_cpu_offload.scheduler.policies.registry import make_policy  # noqa: E402
 
 CANDIDATES = ANCHORS  # the duel follows the anchors
 

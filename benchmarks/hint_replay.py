@@ -75,7 +75,7 @@ from vllm_cpu_offload.config import (  # noqa: E402
     DEFAULT_RETAIN_SHARE,
 )
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
-from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
+from vllm_cpu_offload.scheduler.policies.registry import make_policy  # noqa: E402
 from vllm_cpu_offload.scheduler.request_hints import (  # noqa: E402
     RequestHints,
     hints_of,

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from trace_replay import RESULTS, GpuPrefixCache, load_trace  # noqa: E402
 
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
-from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
+from vllm_cpu_offload.scheduler.policies.registry import make_policy  # noqa: E402
 
 
 class UnitTier:

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, HostBlockPool  # noqa: E402
-from vllm_cpu_offload.scheduler.policies import POLICY_NAMES, make_policy  # noqa: E402
+from vllm_cpu_offload.scheduler.policies.registry import POLICY_NAMES, make_policy  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 

@@ -48,7 +48,7 @@ def startup_components(path: Path, gib: float, block_bytes: int) -> dict[str, fl
     from vllm_cpu_offload.persist.block_index import BlockIndex
     from vllm_cpu_offload.persist.data_file import TierDataFile
     from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
-    from vllm_cpu_offload.scheduler.policies import make_policy
+    from vllm_cpu_offload.scheduler.policies.registry import make_policy
 
     blocks = int(gib * (1 << 30)) // block_bytes
     fingerprint = {"bench": "restart", "num_host_blocks": blocks}

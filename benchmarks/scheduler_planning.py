@@ -43,7 +43,7 @@ def _round(num_requests: int, num_blocks: int) -> tuple[float, float]:
     from vllm_cpu_offload.metadata import OffloadWorkerReport
     from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
     from vllm_cpu_offload.scheduler.kv_groups import kv_groups_of
-    from vllm_cpu_offload.scheduler.policies import make_policy
+    from vllm_cpu_offload.scheduler.policies.registry import make_policy
     from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
 
     init_none_hash(sha256)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace_replay import BeladyTier, GpuPrefixCache, load_trace, next_uses  # noqa: E402
 
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
-from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
+from vllm_cpu_offload.scheduler.policies.registry import make_policy  # noqa: E402
 
 
 def device_cache(

@@ -43,7 +43,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
-from vllm_cpu_offload.scheduler.policies import LRUPolicy, make_policy  # noqa: E402
+from vllm_cpu_offload.scheduler.policies import LRUPolicy  # noqa: E402
+from vllm_cpu_offload.scheduler.policies.registry import make_policy  # noqa: E402
 
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 RESULTS = REPO / "benchmarks" / "results"

@@ -24,7 +24,7 @@ from vllm_cpu_offload.errors import GIB, OffloadConfigError
 from vllm_cpu_offload.layers import TierLayer, load_layers
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
 from vllm_cpu_offload.scheduler.kv_groups import describe, kv_groups_of
-from vllm_cpu_offload.scheduler.policies import make_policy
+from vllm_cpu_offload.scheduler.policies.registry import make_policy
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
 from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 

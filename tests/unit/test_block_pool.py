@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool, PoolEvent
-from vllm_cpu_offload.scheduler.policies import POLICY_NAMES, make_policy
+from vllm_cpu_offload.scheduler.policies.registry import POLICY_NAMES, make_policy
 
 pytestmark = pytest.mark.parametrize("policy", POLICY_NAMES)
 

@@ -22,7 +22,7 @@ from vllm_cpu_offload.persist.block_index import RECORD_BYTES, BlockIndex
 from vllm_cpu_offload.persist.data_file import TierDataFile
 from vllm_cpu_offload.persist.directory import check_tier_directory
 from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool
-from vllm_cpu_offload.scheduler.policies import make_policy
+from vllm_cpu_offload.scheduler.policies.registry import make_policy
 
 FINGERPRINT = {"model": "m", "dtype": "torch.bfloat16", "num_host_blocks": 8}
 WORKERS = ["tp0-pp0"]

@@ -5,17 +5,12 @@ from __future__ import annotations
 import pytest
 
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
-from vllm_cpu_offload.scheduler.policies import (
-    POLICY_NAMES,
-    BlockList,
-    HostBlock,
-    LRUPolicy,
-    make_policy,
-)
+from vllm_cpu_offload.scheduler.policies import BlockList, HostBlock, LRUPolicy
 from vllm_cpu_offload.scheduler.policies.admission_duel import PROTECTING, AdmissionDuel
 from vllm_cpu_offload.scheduler.policies.arc import ARCPolicy
 from vllm_cpu_offload.scheduler.policies.lirs import LIRSPolicy
 from vllm_cpu_offload.scheduler.policies.prefix_aware import PrefixAwarePolicy
+from vllm_cpu_offload.scheduler.policies.registry import POLICY_NAMES, make_policy
 from vllm_cpu_offload.scheduler.policies.s3fifo import S3FIFOPolicy
 
 

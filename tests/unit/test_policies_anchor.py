@@ -8,9 +8,9 @@ import random
 import pytest
 
 from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool
-from vllm_cpu_offload.scheduler.policies import make_policy
 from vllm_cpu_offload.scheduler.policies.arc import ARCPolicy
 from vllm_cpu_offload.scheduler.policies.lirs import LIRSPolicy
+from vllm_cpu_offload.scheduler.policies.registry import make_policy
 from vllm_cpu_offload.scheduler.policies.s3fifo import S3FIFOPolicy
 
 

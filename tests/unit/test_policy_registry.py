@@ -11,9 +11,10 @@ from tests.external_policy.fifo import FIFOPolicy
 from vllm_cpu_offload.config import OffloadConfig
 from vllm_cpu_offload.errors import OffloadConfigError
 from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
-from vllm_cpu_offload.scheduler.policies import (
+from vllm_cpu_offload.scheduler.policies import LRUPolicy
+from vllm_cpu_offload.scheduler.policies.registry import (
     ENTRY_POINT_GROUP,
-    LRUPolicy,
+    POLICY_NAMES,
     available_policy_names,
     make_policy,
     resolve_policy,
@@ -68,7 +69,7 @@ def test_a_policy_by_entry_point(
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("fifo", "'fifo' is not known; choose one of: prefix_aware, lru"),
+        ("fifo", f"'fifo' is not known; choose one of: {', '.join(POLICY_NAMES)}"),
         ("no_such_pkg.policies:FIFO", "cannot import module 'no_such_pkg.policies'"),
         ("tests.external_policy.fifo:LIFOPolicy", "has no 'LIFOPolicy'; fix the path"),
         ("tests.external_policy.fifo:NotAPolicy", "is not a subclass of"),

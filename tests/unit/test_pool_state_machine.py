@@ -17,7 +17,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool
-from vllm_cpu_offload.scheduler.policies import HostBlock, make_policy
+from vllm_cpu_offload.scheduler.policies import HostBlock
+from vllm_cpu_offload.scheduler.policies.registry import POLICY_NAMES, make_policy
 
 # few keys: chains overlap and keys return
 KEYS = st.integers(min_value=0, max_value=23)
@@ -180,35 +181,17 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.num_storing == len(self._keys_in(BlockState.STORING))
 
 
-class LRUPoolMachine(PoolMachine):
-    policy_name = "lru"
-
-
-class PrefixAwarePoolMachine(PoolMachine):
-    policy_name = "prefix_aware"
-    chain_aware = True
-
-
-class ARCPoolMachine(PoolMachine):
-    policy_name = "arc"
-
-
-class LIRSPoolMachine(PoolMachine):
-    policy_name = "lirs"
-
-
-class S3FIFOPoolMachine(PoolMachine):
-    policy_name = "s3fifo"
-
-
 _SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
-TestLRUPool = LRUPoolMachine.TestCase
-TestLRUPool.settings = _SETTINGS
-TestPrefixAwarePool = PrefixAwarePoolMachine.TestCase
-TestPrefixAwarePool.settings = _SETTINGS
-TestARCPool = ARCPoolMachine.TestCase
-TestARCPool.settings = _SETTINGS
-TestLIRSPool = LIRSPoolMachine.TestCase
-TestLIRSPool.settings = _SETTINGS
-TestS3FIFOPool = S3FIFOPoolMachine.TestCase
-TestS3FIFOPool.settings = _SETTINGS
+
+# One machine per built-in policy (`TestLruPool`, `TestPrefixAwarePool`, ...);
+# `prefix_aware` evicts leaves before their ancestors.
+for _name in POLICY_NAMES:
+    _machine = type(
+        f"{_name}PoolMachine",
+        (PoolMachine,),
+        {"policy_name": _name, "chain_aware": _name == "prefix_aware"},
+    )
+    _test = _machine.TestCase
+    _test.settings = _SETTINGS
+    _title = "".join(part.title() for part in _name.split("_"))
+    globals()[f"Test{_title}Pool"] = _test

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool
-from vllm_cpu_offload.scheduler.policies import make_policy
+from vllm_cpu_offload.scheduler.policies.registry import make_policy
 from vllm_cpu_offload.scheduler.retention import FLOOR_TENANTS, Retention
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 

@@ -32,7 +32,7 @@ from vllm_cpu_offload.remote.namespace import shard_key  # noqa: E402
 from vllm_cpu_offload.remote.store import RemoteStore  # noqa: E402
 from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool  # noqa: E402
 from vllm_cpu_offload.scheduler.kv_groups import kv_groups_of  # noqa: E402
-from vllm_cpu_offload.scheduler.policies import make_policy  # noqa: E402
+from vllm_cpu_offload.scheduler.policies.registry import make_policy  # noqa: E402
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup  # noqa: E402
 from vllm_cpu_offload.scheduler.shared_tier import attach_shared_tier  # noqa: E402
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler  # noqa: E402

@@ -46,6 +46,9 @@ class MooncakeRemoteStore(RemoteStore):
     docstring). `role` "scheduler" builds a client without a transfer buffer (it only
     asks `exists`); "worker" registers its host memory through `register`."""
 
+    client_library = "mooncake.store"
+    install_extra = "mooncake"
+
     # The first wait before asking a store that stopped answering again.
     min_backoff_s = 0.2
 

@@ -39,6 +39,9 @@ class RedisRemoteStore(RemoteStore):
     """A Redis, Valkey or Redis cluster client as the host tier's `RemoteStore` (see
     the module docstring). The role does not matter here."""
 
+    client_library = "redis"
+    install_extra = "redis"
+
     def __init__(self, url: RemoteUrl, *, role: str = "worker") -> None:
         self._url = url
         self._password = remote_password()

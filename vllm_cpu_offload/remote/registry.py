@@ -40,22 +40,14 @@ from .value_format import CHECKSUM_MODULE
 
 ROLES = ("scheduler", "worker")
 
-# Built-in backends: the class, the module its client library is, and the extra
-# that installs it.
-_BUILTINS: dict[str, tuple[str, str, str]] = {
-    **{
-        s: (
-            f"{__package__}.mooncake_store:MooncakeRemoteStore",
-            "mooncake.store",
-            "mooncake",
-        )
-        for s in MOONCAKE_SCHEMES
-    },
-    **{
-        s: (f"{__package__}.redis_store:RedisRemoteStore", "redis", "redis")
-        for s in REDIS_SCHEMES
-    },
-}
+# Built-in backends, one line each: their URL schemes and "module:class". A class
+# names the client library it needs (imported when it connects) and the extra that
+# installs it.
+_BACKENDS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (MOONCAKE_SCHEMES, f"{__package__}.mooncake_store:MooncakeRemoteStore"),
+    (REDIS_SCHEMES, f"{__package__}.redis_store:RedisRemoteStore"),
+)
+_BUILTINS = {scheme: path for schemes, path in _BACKENDS for scheme in schemes}
 
 
 def check_remote_url(url: str) -> tuple[type[RemoteStore], RemoteUrl]:
@@ -68,15 +60,16 @@ def check_remote_url(url: str) -> tuple[type[RemoteStore], RemoteUrl]:
             f"{CHECKSUM_MODULE!r} module; pip install google-crc32c"
         )
     if parsed.scheme in _BUILTINS:
-        path, library, extra = _BUILTINS[parsed.scheme]
-        if importlib.util.find_spec(library.partition(".")[0]) is None:
+        cls = _checked(url, _import(_BUILTINS[parsed.scheme], url))
+        library = cls.client_library
+        if library and importlib.util.find_spec(library.partition(".")[0]) is None:
             raise OffloadConfigError(
                 f"--swap-space-remote {parsed.scheme}:// needs the {library!r} "
-                f"module; pip install 'vllm-cpu-offload[{extra}]'"
+                f"module; pip install 'vllm-cpu-offload[{cls.install_extra}]'"
             )
         if parsed.scheme in REDIS_SCHEMES:
             remote_password()  # a missing or unreadable password file fails here
-        return _checked(url, _import(path, url)), parsed
+        return cls, parsed
     if parsed.scheme == USER_CLASS_SCHEME:
         return _checked(url, _import(parsed.host, url)), parsed
     for entry in entry_points(group=ENTRY_POINT_GROUP):

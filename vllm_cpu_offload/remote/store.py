@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 _PROBE_KEY = "vllm-cpu-offload/probe"
 
@@ -57,6 +57,11 @@ class RemoteStore(ABC):
     Implementations are used from one thread at a time per instance, and must bound
     every call by `timeout_s` (raise `RemoteStoreError` past it).
     """
+
+    # The client library a built-in backend imports when it connects, and the extra
+    # of this package that installs it; checked before the engine starts.
+    client_library: ClassVar[str | None] = None
+    install_extra: ClassVar[str | None] = None
 
     @abstractmethod
     def exists(self, keys: Sequence[str], timeout_s: float) -> list[bool]:

@@ -88,3 +88,17 @@ def _checked(name: str, obj: object) -> type[EvictionPolicy]:
     return checked_subclass(
         obj, EvictionPolicy, str(__package__), f"eviction_policy {name!r}", "hook"
     )
+
+
+POLICY_NAMES: tuple[str, ...] = tuple(BUILTIN_POLICIES)
+
+
+def make_policy(name: str, num_blocks: int) -> EvictionPolicy:
+    """Builds the policy `name` (a built-in, an entry point or an import path) for a
+    pool of `num_blocks` blocks.
+
+    Raises:
+        OffloadConfigError: `name` names no usable policy; the message says what to fix.
+
+    """
+    return resolve_policy(name)(num_blocks)

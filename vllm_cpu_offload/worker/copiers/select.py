@@ -60,10 +60,10 @@ DMA_MIN_RUN_BYTES = 64 << 10
 
 # The CUDA copiers by name: "module:class", imported when a candidate needs it.
 CUDA_COPIERS = {
-    "triton": "vllm_cpu_offload.worker.copiers.triton_kernels:TritonBlockCopier",
-    "dma": "vllm_cpu_offload.worker.copiers.dma:DmaBlockCopier",
-    "staged": "vllm_cpu_offload.worker.copiers.staged:StagedBlockCopier",
-    "bounce": "vllm_cpu_offload.worker.copiers.bounce:BounceBlockCopier",
+    "triton": f"{__package__}.triton_kernels:TritonBlockCopier",
+    "dma": f"{__package__}.dma:DmaBlockCopier",
+    "staged": f"{__package__}.staged:StagedBlockCopier",
+    "bounce": f"{__package__}.bounce:BounceBlockCopier",
 }
 
 Caches = Mapping[str, torch.Tensor]
