@@ -1,17 +1,18 @@
-"""HostBlockPool, method by method, under every eviction policy."""
+"""HostBlockPool, method by method, with LRU eviction (every registered policy runs
+through the pool in test_pool_state_machine.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool, PoolEvent
-from vllm_cpu_offload.scheduler.policies.registry import POLICY_NAMES, make_policy
+from vllm_cpu_offload.scheduler.policies import LRUPolicy
 
-pytestmark = pytest.mark.parametrize("policy", POLICY_NAMES)
+pytestmark = pytest.mark.parametrize("policy", ["lru"])
 
 
 def make_pool(policy: str, num_blocks: int) -> HostBlockPool:
-    return HostBlockPool(num_blocks, make_policy(policy, num_blocks))
+    return HostBlockPool(num_blocks, LRUPolicy(num_blocks))
 
 
 def store(pool: HostBlockPool, keys: list[str], parent: str | None = None) -> list[int]:
@@ -41,7 +42,7 @@ def test_usage_counts_storing_and_ready(policy: str) -> None:
 def test_negative_size_is_rejected(policy: str) -> None:
     # A negative pool size is bad input.
     with pytest.raises(ValueError, match="num_blocks"):
-        HostBlockPool(-1, make_policy(policy, 0))
+        HostBlockPool(-1, LRUPolicy(0))
 
 
 # ----- count_hits -----
@@ -274,6 +275,6 @@ def test_failed_stores_emit_no_event(policy: str) -> None:
 
 def test_events_can_be_turned_off(policy: str) -> None:
     # With KV events disabled nothing accumulates.
-    pool = HostBlockPool(2, make_policy(policy, 2), record_events=False)
+    pool = HostBlockPool(2, LRUPolicy(2), record_events=False)
     store(pool, ["a", "b", "c"])
     assert pool.take_events() == []

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -11,10 +9,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from tests.fault_injection import FaultInjector  # noqa: E402
-from vllm_cpu_offload.block_transfer import RemoteBlocks  # noqa: E402
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata  # noqa: E402
-from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults  # noqa: E402
-from vllm_cpu_offload.worker.shared_tier import SharedTierWorker  # noqa: E402
 from vllm_cpu_offload.worker.tier_worker import HostTierWorker  # noqa: E402
 
 LAYERS, BLOCKS, HOST_BLOCKS = 2, 8, 4
@@ -109,40 +104,3 @@ def test_injected_faults_fail_the_chosen_share_uncopied() -> None:
         and not report.finished
     )
     assert _step(worker, OffloadStepMetadata(delayed_free_req_ids=["a"])) == {"a"}
-
-
-def test_a_store_failed_by_the_injector_ends_its_write_through() -> None:
-    # A store that fails before it is copied writes nothing through, and says so:
-    # the scheduler holds its host blocks until every worker reported the write.
-    worker, _ = _worker()
-    worker.faults = FaultInjector(1.0)
-    thread = _WriteRecorder()
-    worker.shared = SharedTierWorker(
-        cast(RemoteIO, cast(Any, thread)),
-        None,
-        blocks_per_host_block=1,
-        idle_fetch_wait_s=0,
-    )
-    meta = OffloadStepMetadata(
-        stores=[BlockTransfer(1, [5], [2], "a")],
-        writes=[RemoteBlocks(1, ["k"], [2])],
-    )
-    _step(worker, meta)
-    report = worker.take_report()
-    assert report is not None and dict(report.failed) == {1: 1}
-    assert dict(report.written) == {1: 1} and report.write_stored[1] == [False]
-    assert not thread.writes and worker.shared.num_jobs_in_flight == 0
-
-
-class _WriteRecorder:
-    """The store's thread, as far as a write-through needs it."""
-
-    def __init__(self) -> None:
-        self.writes: list[RemoteBlocks] = []
-
-    def write(self, job: RemoteBlocks) -> bool:
-        self.writes.append(job)
-        return True
-
-    def poll(self) -> RemoteResults:
-        return RemoteResults()
