@@ -48,6 +48,14 @@ BUILDKITE = ".buildkite/test_areas/kv_cpu_offload.yaml"
 # in vLLM's own files (EngineArgs, KVConnectorFactory, the CPU executor) or not needed
 # at all.
 PLUGIN_ONLY = {"__init__.py", "plugin.py", "flags.py", "omp_cores.py", "testing"}
+# Modules the plugin keeps and the stack leaves out: they duplicate what vLLM has or
+# bring nothing measured over what the stack ships (upstream/RFC.md, "Overlaps"). A
+# registration line naming one is left out of every prefix.
+PLUGIN_KEPT = {
+    "scheduler/policies/arc.py",
+    "scheduler/policies/lirs.py",
+    "scheduler/policies/s3fifo.py",
+}
 # flags.py becomes the in-tree flags.py in the patch with the engine_args stage.
 FLAGS = "flags.py"
 STAGES = ("factory", "engine_args", "omp_cores")
@@ -102,6 +110,8 @@ def shipped_modules() -> list[str]:
     for path in sorted(PACKAGE.rglob("*")):
         rel = path.relative_to(PACKAGE)
         if path.is_dir() or rel.parts[0] in PLUGIN_ONLY or "__pycache__" in rel.parts:
+            continue
+        if rel.as_posix() in PLUGIN_KEPT:
             continue
         if path.suffix == ".pyc":
             continue
