@@ -358,7 +358,8 @@ def until_text(
 def registration_lines(text: str, rel: str, prefix: set[str]) -> str:
     """A registration table at a prefix: lines naming a module that is not in it left
     out."""
-    known = set(shipped_modules())
+    # Modules the plugin keeps are never in a prefix: their lines go too.
+    known = set(shipped_modules()) | PLUGIN_KEPT
     kept = []
     for line in text.splitlines(keepends=True):
         missing = False

@@ -2,8 +2,8 @@
 path.
 
 `eviction_policy` in the connector's extra config takes any of:
-- a built-in name: `prefix_aware`, `lru`, `arc`, `lirs`, `s3fifo` (the one list
-  below);
+- a built-in name, `prefix_aware` and `lru` among them (`BUILTIN_POLICIES` below,
+  the one list);
 - the name of an entry point in the group `vllm_cpu_offload.eviction_policies`, which
   any installed distribution may declare (`fifo = "my_pkg.policies:FIFOPolicy"`);
 - an import path, `my_pkg.policies:FIFOPolicy` (or `my_pkg.policies.FIFOPolicy`).
