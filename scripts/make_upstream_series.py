@@ -21,7 +21,9 @@ a table per patch). Everything a patch carries comes from this repository:
   `_wrap_init` and `_add_flags`): they become EngineArgs fields and `add_cli_args`
   flags, and flags.py's resolution (`resolve_offload`, `check_engine`, ...) becomes the
   in-tree `cpu_offload/flags.py` minus its patch machinery (`FLAGS_PATCH_ONLY`);
-- the unit, kernel and vLLM-scheduler tests are copied from `tests/`;
+- the unit, kernel, remote-store and vLLM-scheduler tests are copied from `tests/`
+  (the remote-store ones into `remote/` of the in-tree test folder, with the store
+  servers they start: `vllm_cpu_offload/testing/store_servers.py`);
   `upstream/templates/` holds what has no counterpart in the package (the in-tree engine
   tests, the docs page, the cover letter).
 
@@ -124,8 +126,13 @@ PLUGIN_ONLY_TESTS = {
 }
 
 # Modules of `vllm_cpu_offload/testing/` that go beside the in-tree tests when a test
-# there imports them: the generated models the tests run on.
-TEST_HELPERS = ("tiny_model", "tiny_mla")
+# there imports them: the generated models the tests run on, and the store servers the
+# remote-store tests start on loopback.
+TEST_HELPERS = ("tiny_model", "tiny_mla", "store_servers")
+# Folders of `tests/` copied whole into the same folder of the in-tree test folder
+# (with their conftest.py and __init__.py); their test files import each other's
+# helpers relatively (`from .conftest import ...`).
+TEST_FOLDERS = ("kernels", "remote")
 
 # Applied in order to every file taken from this repository.
 REWRITES: tuple[tuple[str, str], ...] = (
@@ -392,10 +399,10 @@ def test_units() -> list[TestUnit]:
     for src in sorted((REPO / "tests/unit").glob("*.py")):
         if src.name not in PLUGIN_ONLY_TESTS:
             units.append(TestUnit(src.name, test_text(src, src.name)))
-    for src in sorted((REPO / "tests/kernels").glob("*.py")):
-        units.append(
-            TestUnit(f"kernels/{src.name}", test_text(src, f"kernels/{src.name}"))
-        )
+    for folder in TEST_FOLDERS:
+        for src in sorted((REPO / "tests" / folder).glob("*.py")):
+            name = f"{folder}/{src.name}"
+            units.append(TestUnit(name, test_text(src, name)))
     for src in sorted((REPO / "tests/external_policy").glob("*.py")):
         units.append(TestUnit(f"external_policy/{src.name}", rewrite(src.read_text())))
     units.append(
@@ -420,7 +427,7 @@ def test_units() -> list[TestUnit]:
             TestUnit(f"{m}.py", rewrite((PACKAGE / f"testing/{m}.py").read_text()))
         )
     names = {u.name for u in units}
-    for folder in ("kernels", "external_policy"):
+    for folder in (*TEST_FOLDERS, "external_policy"):
         if f"{folder}/__init__.py" not in names:
             units.append(TestUnit(f"{folder}/__init__.py", ""))
     if "__init__.py" not in names:

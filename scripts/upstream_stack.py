@@ -10,8 +10,10 @@ package and its tests:
   names written as strings, as registries do) resolves to modules of the same patch or
   an earlier one: each prefix of the stack imports;
 - each test file goes to the first patch whose modules cover what it imports, directly
-  or through other test files (stack.toml may pin a test to a later patch); a helper
-  goes with the first test that uses it;
+  or through other test files, relative imports (`from .conftest import ...`) included
+  (stack.toml may pin a test to a later patch); a helper goes with the first test that
+  uses it, a conftest.py with the first test of its folder, and what a conftest.py
+  imports at its top no later than it;
 - registration tables (files listing modules by name) keep, at each prefix, only the
   lines whose modules exist, so each module's patch adds its line; `until` rules give a
   line its text before the patch that changes it (the default eviction policy);
@@ -517,8 +519,24 @@ def in_tree_refs(
             else:
                 continue
             break
+    tree = ast.parse(unit.text)
+    # `from .conftest import ...`: a unit of the same folder (or one above it, within
+    # the test folder)
+    folder = list(Path(unit.name).parent.parts)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom) or not node.level:
+            continue
+        if node.level - 1 > len(folder):
+            continue  # a package of vLLM's tests, above ours
+        base = folder[: len(folder) - (node.level - 1)]
+        imported = base + (node.module.split(".") if node.module else [])
+        for path in [imported] + [imported + [alias.name] for alias in node.names]:
+            stem = "/".join(path)
+            for candidate in (f"{stem}.py", f"{stem}/__init__.py"):
+                if candidate in names and candidate != unit.name:
+                    units.add(candidate)
     # `from <in-tree package> import <module>` names the module in the import list
-    for node in ast.walk(ast.parse(unit.text)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
             IN_TREE_MOD + "."
         ):
@@ -585,6 +603,42 @@ def assign_tests(manifest: Manifest, units: list[TestUnit]) -> None:
                 if folder == "." or t.name.startswith(folder + "/")
             ]
         unit.patch = min(users) if users else -1  # -1: no test needs it, not shipped
+    # pytest imports a conftest.py before any test of its folder: what it imports at its
+    # top (not inside a fixture) must be there by then, and goes with it at the latest.
+    for unit in units:
+        if Path(unit.name).name != "conftest.py" or unit.patch < 0:
+            continue
+        top = TestUnit(unit.name, _top_level_imports(unit.text))
+        modules, deps = in_tree_refs(top, known, set(by_name))
+        closure = set(deps)
+        for dep in deps:
+            closure |= _closure(dep, refs)
+        for dep in closure:
+            helper = by_name[dep]
+            if not helper.is_test and not helper.name.endswith("conftest.py"):
+                helper.patch = (
+                    unit.patch if helper.patch < 0 else min(helper.patch, unit.patch)
+                )
+        level = max(
+            [index[m] for m in modules if m in index]
+            + [needed(d) for d in deps if not by_name[d].is_test],
+            default=0,
+        )
+        if level > unit.patch:
+            raise StackError(
+                f"{unit.name} goes with the first test of its folder, in patch "
+                f"{unit.patch + 1}, but imports at its top what patch {level + 1} "
+                "adds: import it inside the fixture that uses it"
+            )
+
+
+def _top_level_imports(text: str) -> str:
+    """The import statements at the top level of a module's text."""
+    return "\n".join(
+        ast.unparse(node)
+        for node in ast.parse(text).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    )
 
 
 def _closure(name: str, refs: dict[str, tuple[set[str], set[str]]]) -> set[str]:

@@ -1,9 +1,11 @@
 """Real store servers on loopback for the remote tier's tests, and host memory to move
-values through. A server that is not installed skips its tests with the install line."""
+values through. A server or client library that is not installed skips its tests with
+the install line."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError, Span
+from vllm_cpu_offload.remote.value_format import CHECKSUM_MODULE
 from vllm_cpu_offload.testing.store_servers import (
     MooncakeServers,
     RedisServer,
@@ -43,6 +46,31 @@ class HostMemory:
         return ctypes.string_at(span.address, span.size)
 
 
+def requires(*modules: str) -> pytest.MarkDecorator:
+    """Skips a test where one of `modules` is not installed: a store's client library,
+    or the checksum library every store's values go through."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(
+        bool(missing), reason=f"not installed: {', '.join(missing)}"
+    )
+
+
+def without_module(monkeypatch: pytest.MonkeyPatch, missing: str) -> None:
+    """`importlib.util.find_spec` finds no `missing` from now on."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name: None if name == missing else real(name),
+    )
+
+
+def _checksums_or_skip() -> None:
+    """Every store checks its values with CRC-32C: without it none opens."""
+    if importlib.util.find_spec(CHECKSUM_MODULE) is None:
+        pytest.skip(f"{CHECKSUM_MODULE} is not installed; pip install google-crc32c")
+
+
 def wait_until_up(store: RemoteStore, timeout_s: float = UP_WITHIN_S) -> None:
     """Until a call succeeds; fails the test past `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -68,6 +96,7 @@ def mooncake_factory() -> Iterator[Callable[..., MooncakeServers]]:
     made: list[MooncakeServers] = []
 
     def make(global_segment_size: str = "256MB", start: bool = True) -> MooncakeServers:
+        _checksums_or_skip()
         try:
             servers = MooncakeServers(global_segment_size)
         except ServerUnavailable as e:
@@ -82,6 +111,7 @@ def mooncake_factory() -> Iterator[Callable[..., MooncakeServers]]:
 
 @pytest.fixture(scope="module")
 def mooncake() -> Iterator[MooncakeServers]:
+    _checksums_or_skip()
     try:
         servers = MooncakeServers("256MB")
     except ServerUnavailable as e:
@@ -96,6 +126,7 @@ def redis_factory() -> Iterator[Callable[..., RedisServer]]:
     made: list[RedisServer] = []
 
     def make(start: bool = True, **kwargs: object) -> RedisServer:
+        _checksums_or_skip()
         try:
             server = RedisServer(**kwargs)  # type: ignore[arg-type]
         except ServerUnavailable as e:
@@ -106,3 +137,15 @@ def redis_factory() -> Iterator[Callable[..., RedisServer]]:
     yield make
     for server in made:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """One redis-server for a module's tests (their keys are apart by name)."""
+    _checksums_or_skip()
+    try:
+        server = RedisServer()
+    except ServerUnavailable as e:
+        pytest.skip(str(e))
+    with server:
+        yield server.url

@@ -41,7 +41,7 @@ from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults
 
-from .conftest import HostMemory, wait_until_up
+from .conftest import HostMemory, requires, wait_until_up
 
 NAMESPACE = "vco-held"
 HOST_BLOCKS = 8
@@ -456,6 +456,7 @@ class _GatedPutStore(_StuckStore):
         return [True] * len(keys)
 
 
+@requires(value_format.CHECKSUM_MODULE)  # the values written are checked
 def test_a_retained_requests_write_goes_before_those_queued_earlier() -> None:
     # While one write is in the store, two wait; a third marked `first` (its request
     # will be read again) is written before them.

@@ -1,6 +1,7 @@
-"""Mooncake Store's faults on real processes: a full pool, a storage node that dies and
-comes back, a master that is not up yet. Every call returns or raises within its
-timeout (plus slack for two busy cores); durations are not asserted otherwise."""
+"""Mooncake Store: its URLs and client library, then its faults on real processes: a
+full pool, a storage node that dies and comes back, a master that is not up yet. Every
+call returns or raises within its timeout (plus slack for two busy cores); durations are
+not asserted otherwise."""
 
 from __future__ import annotations
 
@@ -8,16 +9,21 @@ import os
 import time
 from collections.abc import Callable
 
-from vllm_cpu_offload.remote.registry import open_store
+import pytest
+
+from vllm_cpu_offload.errors import OffloadConfigError
+from vllm_cpu_offload.remote.mooncake_store import MooncakeRemoteStore
+from vllm_cpu_offload.remote.registry import check_remote_url, open_store
 from vllm_cpu_offload.remote.store import (
     RemoteCallTimeout,
     RemoteStore,
     RemoteStoreError,
     Span,
 )
+from vllm_cpu_offload.remote.value_format import CHECKSUM_MODULE
 from vllm_cpu_offload.testing.store_servers import MooncakeServers
 
-from .conftest import HostMemory, wait_until_up
+from .conftest import HostMemory, requires, wait_until_up, without_module
 
 TIMEOUT_S = 2.0
 SLACK_S = 3.0  # a busy machine's scheduling, not the store's
@@ -39,6 +45,23 @@ def _open(servers: MooncakeServers, memory: HostMemory) -> RemoteStore:
     store = open_store(servers.url, role="worker")
     store.register(memory.span(0, memory.size))
     return store
+
+
+@requires("mooncake", CHECKSUM_MODULE)
+def test_url_resolves_without_connecting() -> None:
+    # The scheme names the class; checking connects to nothing.
+    url = "mooncake://10.255.0.1:1?protocol=rdma&device=mlx5_0"
+    assert check_remote_url(url)[0] is MooncakeRemoteStore
+
+
+@requires(CHECKSUM_MODULE)
+def test_missing_client_library_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without Mooncake's client: the pip line to fix it.
+    without_module(monkeypatch, "mooncake")
+    with pytest.raises(OffloadConfigError, match=r"vllm-cpu-offload\[mooncake\]"):
+        check_remote_url("mooncake://h:50051")
 
 
 def test_full_pool_refuses(

@@ -1,6 +1,7 @@
-"""The RESP backend on a real redis-server: ACL users with the password from the
-environment or a file, a server down at start or stopped mid-run, a full server, and a
-one-node cluster. Calls return or raise within their timeout (plus slack)."""
+"""The RESP backend: its URLs and client library, then on a real redis-server: ACL
+users with the password from the environment or a file, a server down at start or
+stopped mid-run, a full server, and a one-node cluster. Calls return or raise within
+their timeout (plus slack)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cpu_offload.remote.registry import open_store
+from vllm_cpu_offload.errors import OffloadConfigError
+from vllm_cpu_offload.remote.redis_store import RedisRemoteStore
+from vllm_cpu_offload.remote.registry import check_remote_url, open_store
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError
 from vllm_cpu_offload.remote.url import PASSWORD_ENV, PASSWORD_FILE_ENV
+from vllm_cpu_offload.remote.value_format import CHECKSUM_MODULE
 from vllm_cpu_offload.testing.store_servers import RedisServer
 
-from .conftest import HostMemory, wait_until_up
+from .conftest import HostMemory, requires, wait_until_up, without_module
 
 TIMEOUT_S = 2.0
 SLACK_S = 3.0
@@ -41,6 +45,23 @@ def _fails_in_time(store: RemoteStore) -> None:
     with pytest.raises(RemoteStoreError):
         store.exists(["k"], TIMEOUT_S)
     assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+
+
+@requires("redis", CHECKSUM_MODULE)
+def test_urls_resolve_without_connecting() -> None:
+    # Every RESP scheme names the class; checking connects to nothing.
+    for scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        assert check_remote_url(f"{scheme}://10.255.0.1:1")[0] is RedisRemoteStore
+
+
+@requires(CHECKSUM_MODULE)
+def test_missing_client_library_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A built-in scheme whose client library is absent: the pip line to fix it.
+    without_module(monkeypatch, "redis")
+    with pytest.raises(OffloadConfigError, match=r"vllm-cpu-offload\[redis\]"):
+        check_remote_url("redis://h:6379")
 
 
 def test_acl_user_with_password_from_env(

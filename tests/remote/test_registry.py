@@ -1,20 +1,24 @@
-"""Backends by URL: the built-ins, a user's class by `py://` import path or by an entry
-point's scheme, and one-line refusals of bad ones."""
+"""Backends by URL: a user's class by `py://` import path or by an entry point's
+scheme, and one-line refusals of bad ones. (The built-in stores' URLs are tested with
+each store: test_redis_faults.py, test_mooncake_faults.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from vllm_cpu_offload.errors import OffloadConfigError
-from vllm_cpu_offload.remote.mooncake_store import MooncakeRemoteStore
-from vllm_cpu_offload.remote.redis_store import RedisRemoteStore
 from vllm_cpu_offload.remote.registry import check_remote_url, open_store
 from vllm_cpu_offload.remote.store import RemoteStore, Span
 from vllm_cpu_offload.remote.url import ENTRY_POINT_GROUP, RemoteUrl
+from vllm_cpu_offload.remote.value_format import CHECKSUM_MODULE
+
+from .conftest import requires, without_module
+
+# Every store's values are checked with CRC-32C: without the library no URL resolves.
+needs_checksums = requires(CHECKSUM_MODULE)
 
 
 class DictStore(RemoteStore):
@@ -61,12 +65,7 @@ class NotAStore:
 HERE = __name__
 
 
-def test_builtins_resolve_without_connecting() -> None:
-    # Checking a built-in URL names its class and connects to nothing.
-    assert check_remote_url("mooncake://10.255.0.1:1")[0] is MooncakeRemoteStore
-    assert check_remote_url("rediss+cluster://h:1")[0] is RedisRemoteStore
-
-
+@needs_checksums
 def test_user_class_by_import_path() -> None:
     # py://module:Class builds that class with the parsed URL and the role.
     store = open_store(f"py://{HERE}:DictStore?bucket=b", role="scheduler")
@@ -83,6 +82,7 @@ def test_user_class_by_import_path() -> None:
         ("no_such_pkg.mod:Store", "install it or fix the path"),
     ],
 )
+@needs_checksums
 def test_bad_user_classes_are_refused(target: str, fix: str) -> None:
     # A class that is missing or not a complete RemoteStore: one line with the fix.
     with pytest.raises(OffloadConfigError) as raised:
@@ -90,6 +90,7 @@ def test_bad_user_classes_are_refused(target: str, fix: str) -> None:
     assert "\n" not in str(raised.value) and fix in str(raised.value)
 
 
+@needs_checksums
 def test_entry_point_scheme(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # A scheme an installed distribution declares resolves to its class; a broken
     # entry point is refused with the group named.
@@ -112,28 +113,10 @@ def test_bad_role() -> None:
         open_store(f"py://{HERE}:DictStore", role="both")
 
 
-def _without_module(monkeypatch: pytest.MonkeyPatch, missing: str) -> None:
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name: None if name == missing else real(name),
-    )
-
-
-def test_missing_client_library_names_the_extra(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A built-in scheme whose client library is absent: the pip line to fix it.
-    _without_module(monkeypatch, "redis")
-    with pytest.raises(OffloadConfigError, match=r"vllm-cpu-offload\[redis\]"):
-        check_remote_url("redis://h:6379")
-
-
 def test_missing_checksum_library_is_named_for_every_store(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _without_module(monkeypatch, "google_crc32c")
+    without_module(monkeypatch, "google_crc32c")
     for url in ("redis://h:6379", f"py://{HERE}:DictStore"):
         with pytest.raises(OffloadConfigError, match="pip install google-crc32c"):
             check_remote_url(url)

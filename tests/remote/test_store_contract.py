@@ -8,9 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from vllm_cpu_offload.remote.mooncake_store import MooncakeRemoteStore
+from vllm_cpu_offload.remote.redis_store import RedisRemoteStore
 from vllm_cpu_offload.remote.registry import open_store
 from vllm_cpu_offload.remote.store import RemoteStore, RemoteStoreError
-from vllm_cpu_offload.testing.store_servers import RedisServer, ServerUnavailable
 
 from .conftest import HostMemory, wait_until_up
 
@@ -19,23 +20,14 @@ HEADER = 64
 BLOCK = 256 << 10
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    try:
-        server = RedisServer()
-    except ServerUnavailable as e:
-        pytest.skip(str(e))
-    with server:
-        yield server.url
-
-
 @pytest.fixture(params=["mooncake", "redis"])
 def store(request: pytest.FixtureRequest, memory: HostMemory) -> Iterator[RemoteStore]:
     if request.param == "mooncake":
-        url = request.getfixturevalue("mooncake").url
+        url, backend = request.getfixturevalue("mooncake").url, MooncakeRemoteStore
     else:
-        url = request.getfixturevalue("redis_url")
+        url, backend = request.getfixturevalue("redis_url"), RedisRemoteStore
     opened = open_store(url, role="worker")
+    assert type(opened) is backend
     opened.register(memory.span(0, memory.size))
     wait_until_up(opened)
     yield opened

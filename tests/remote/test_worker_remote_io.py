@@ -25,6 +25,8 @@ from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.kv_layout import KVLayout
 from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults
 
+from .conftest import requires
+
 NAMESPACE = "vco-test"
 HOST_BLOCKS = 8
 
@@ -153,6 +155,7 @@ def test_a_full_write_queue_drops_and_says_so(redis_url: str) -> None:
     io.close()
 
 
+@requires("redis", value_format.CHECKSUM_MODULE)
 def test_a_store_that_is_down_costs_misses_within_the_timeout() -> None:
     url = f"redis://127.0.0.1:{free_port()}"
     io = _io(url, _host(6), timeout_s=0.5, down=True)

@@ -3,8 +3,9 @@ one storage node (`MooncakeServers`) and a `redis-server` (`RedisServer`).
 
 Each picks free ports, starts its processes with their output in a temporary folder,
 waits (bounded) until they answer, and stops them on `stop()` or on leaving its `with`
-block, an exception included. A missing binary raises `ServerUnavailable`, whose
-message says how to install it (a test fixture turns it into a skip).
+block, an exception included. A missing binary, or a missing client library of the
+store it serves, raises `ServerUnavailable`, whose message says how to install it (a
+test fixture turns it into a skip).
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ class MooncakeServers:
         self._node_bin = folder / "mooncake_client" if folder else None
         if self._master_bin is None or not self._master_bin.exists():
             raise ServerUnavailable(
-                "Mooncake is not installed; pip install 'vllm-cpu-offload[mooncake]' "
-                "(and apt-get install libibverbs1)"
+                "Mooncake is not installed; pip install "
+                "mooncake-transfer-engine-non-cuda (and apt-get install libibverbs1)"
             )
         self.segment_size = global_segment_size
         self.rpc_port = free_port()
@@ -240,7 +241,8 @@ class MooncakeServers:
 class RedisServer:
     """A `redis-server` on loopback without persistence; with `username` and
     `password`, that ACL user is the only one (the default user is off).
-    `cluster=True` makes it a one-node cluster that owns every slot."""
+    `cluster=True` makes it a one-node cluster that owns every slot. It serves the
+    `redis://` store, whose client (redis-py) must be installed too."""
 
     def __init__(
         self,
@@ -254,6 +256,10 @@ class RedisServer:
         if binary is None:
             raise ServerUnavailable(
                 "redis-server is not installed; apt-get install redis-server"
+            )
+        if importlib.util.find_spec("redis") is None:
+            raise ServerUnavailable(
+                "the redis Python client is not installed; pip install redis"
             )
         self._binary = binary
         self._username = username
