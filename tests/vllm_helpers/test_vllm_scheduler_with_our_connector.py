@@ -435,8 +435,8 @@ def test_sleep_sequence_empties_the_tier_and_keeps_every_slot_right(
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    # The test servers ship with the plugin's testing package; where it is absent
-    # (the in-tree form of these tests), the shared-tier scenarios skip.
+    # The test servers ship with the plugin's testing package (beside the tests in
+    # tree); where redis-server or redis-py is missing, the shared-tier scenarios skip.
     servers = pytest.importorskip("vllm_cpu_offload.testing.store_servers")
     try:
         server = servers.RedisServer().start()
