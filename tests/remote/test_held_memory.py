@@ -154,8 +154,8 @@ def _recording_client(monkeypatch: pytest.MonkeyPatch) -> Recorder:
             ]
             # Host blocks are torch memory, not tracked: the staging and header
             # buffers are.
-            owned = [(p, s, recorder.allocations.owner(p, s)) for p, s in spans]
-            owned = [(p, s, ref) for p, s, ref in owned if ref is not None]
+            found = [(p, s, recorder.allocations.owner(p, s)) for p, s in spans]
+            owned = [(p, s, ref) for p, s, ref in found if ref is not None]
             before = [ctypes.string_at(p, s) for p, s, _ in owned]
             # On the store's thread: what goes wrong is recorded for the test to see.
             if not owned or not gate.wait(60):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def _connected(url: str, role: str = "worker") -> RemoteStore:
             time.sleep(0.05)
 
 
-def _io(url: str, host: HostBuffer, rank: str = "tp0-pp0", **kw: object) -> RemoteIO:
+def _io(url: str, host: HostBuffer, rank: str = "tp0-pp0", **kw: Any) -> RemoteIO:
     values = BlockValues(
         host, [rank], blocks_per_host_block=int(kw.pop("blocks_per_host_block", 1))
     )

@@ -186,7 +186,8 @@ def test_equal_engines_agree_in_every_process(tiny_model: str) -> None:
     a, b = vllm_config(tiny_model), vllm_config(tiny_model)
     worker_copy = pickle.loads(pickle.dumps(a))
     assert namespace(a) == namespace(b) == namespace(worker_copy)
-    assert namespace(a) is not None and namespace(a).startswith("vco-")
+    named = namespace(a)
+    assert named is not None and named.startswith("vco-")
     assert fingerprint(a) == fingerprint(b) == fingerprint(worker_copy)
 
 

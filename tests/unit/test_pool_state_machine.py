@@ -12,6 +12,8 @@ makes an orphan.
 
 from __future__ import annotations
 
+from typing import Any
+
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -186,7 +188,7 @@ _SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
 # One machine per built-in policy (`TestLruPool`, `TestPrefixAwarePool`, ...);
 # `prefix_aware` evicts leaves before their ancestors.
 for _name in POLICY_NAMES:
-    _machine = type(
+    _machine: Any = type(
         f"{_name}PoolMachine",
         (PoolMachine,),
         {"policy_name": _name, "chain_aware": _name == "prefix_aware"},

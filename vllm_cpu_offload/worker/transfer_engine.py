@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import TypeAlias
 
 import torch
 
@@ -68,7 +69,7 @@ from vllm_cpu_offload.worker.transfer_jobs import (
 
 logger = logging.getLogger(__name__)
 
-Ids = Sequence[int] | torch.Tensor
+Ids: TypeAlias = Sequence[int] | torch.Tensor
 
 
 class TransferEngine:

@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 DMA_MIN_RUN_BYTES = 64 << 10
 
 # The CUDA copiers by name: "module:class", imported when a candidate needs it.
-CUDA_COPIERS = {
+CUDA_COPIERS: dict[str, str] = {
     "triton": f"{__package__}.triton_kernels:TritonBlockCopier",
     "dma": f"{__package__}.dma:DmaBlockCopier",
     "staged": f"{__package__}.staged:StagedBlockCopier",
