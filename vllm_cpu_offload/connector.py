@@ -22,13 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_cpu_offload.events import remote_kv_events, to_kv_events
+from vllm_cpu_offload.layers import layer_classes
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
-from vllm_cpu_offload.metrics import (
-    OffloadPromMetrics,
-    OffloadStats,
-    SchedulerStatsReporter,
-)
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
 from vllm_cpu_offload.spec import OffloadSpec
 from vllm_cpu_offload.worker.tier_worker import HostTierWorker
@@ -68,7 +63,6 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.spec = OffloadSpec(vllm_config, kv_cache_config)
         self.num_host_blocks = self.spec.num_host_blocks
-        self._stats_reporter = SchedulerStatsReporter()
         self.scheduler: HostTierScheduler | None = None
         self.worker: HostTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -238,34 +232,34 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self) -> Iterable[KVCacheEvent]:
         sched = self._sched()
         events = sched.take_pool_events()  # counts evictions, events on or off
-        if not self.spec.publish_events:
-            return ()
-        block_size = sched.block_size * sched.blocks_per_host_block
-        return [
-            *to_kv_events(events, block_size),
-            *remote_kv_events(sched.take_remote_events(), block_size),
-        ]
+        return [e for layer in self.spec.layers for e in layer.kv_events(sched, events)]
 
     @override
     def reset_cache(self) -> bool | None:
         return self._sched().reset_cache()
 
-    # ---- metrics (both sides) ----
+    # ---- metrics (both sides), from the layers that report them ----
 
     @override
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.scheduler is not None:
-            return self._stats_reporter.take(
-                self.scheduler.stats, self.scheduler.pool.usage
-            )
-        return self._work().take_stats()
+        for layer in self.spec.layers:
+            if self.scheduler is not None:
+                stats = layer.scheduler_stats(self.scheduler)
+            else:
+                stats = layer.worker_stats(self._work())
+            if stats is not None:
+                return stats
+        return None
 
     @classmethod
     @override
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
-    ) -> KVConnectorStats:
-        return OffloadStats(data=dict(data or {}))
+    ) -> KVConnectorStats | None:
+        for layer in layer_classes():
+            if (stats := layer.stats_from(data or {})) is not None:
+                return stats
+        return None
 
     @classmethod
     @override
@@ -275,7 +269,11 @@ class CPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         metric_types: dict[type[PromMetric], type[PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVConnectorPromMetrics:
-        return OffloadPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
+    ) -> KVConnectorPromMetrics | None:
+        for layer in layer_classes():
+            metrics = layer.prom_metrics(
+                vllm_config, metric_types, labelnames, per_engine_labelvalues
+            )
+            if metrics is not None:
+                return metrics
+        return None

@@ -11,13 +11,15 @@ A store's event carries what vLLM's device-tier event for the same blocks carrie
 `StoredBlocks` the scheduler half recorded when it planned the store. Events without
 that record (a pool driven directly, as in unit tests, or a write-through that stored
 only some of a job's blocks) name the blocks only.
+
+A layer of the tier (`layers.py`), wanted while vLLM's KV cache events are on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import groupby
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -28,9 +30,14 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+from vllm_cpu_offload.layers import TierLayer
 from vllm_cpu_offload.scheduler.block_pool import BlockKey, PoolEvent
 from vllm_cpu_offload.scheduler.stored_blocks import StoredBlocks
 from vllm_cpu_offload.scheduler.tier_seams import RemoteTierEvent
+
+if TYPE_CHECKING:
+    from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
+    from vllm_cpu_offload.spec import OffloadSpec
 
 # Where the shared store is, relative to the engine that publishes its events.
 LOCALITY_REMOTE = "REMOTE"
@@ -122,3 +129,23 @@ def _stored(
         session_id=run.session_id,
         locality=locality,
     )
+
+
+class EventsLayer(TierLayer):
+    """Publishes the host tier's and the shared store's blocks as KV cache events."""
+
+    @classmethod
+    def wanted(cls, spec: OffloadSpec) -> bool:
+        return spec.publish_events
+
+    def kv_events(
+        self, scheduler: HostTierScheduler, pool_events: list[PoolEvent]
+    ) -> list[KVCacheEvent]:
+        block_size = scheduler.block_size * scheduler.blocks_per_host_block
+        return [
+            *to_kv_events(pool_events, block_size),
+            *remote_kv_events(scheduler.take_remote_events(), block_size),
+        ]
+
+
+layer = EventsLayer

@@ -11,6 +11,10 @@ hook is optional; together they are every seam the core leaves open:
 - the worker half: the memory the host buffer maps (`worker/host_buffer.py`'s
   `MappedMemory`; at most one layer gives it) and `HostTierWorker.open_shared_tier`
   (`worker/tier_seams.py`);
+- what the connector reports to vLLM: each step's statistics of either half, the
+  class vLLM rebuilds them with, its Prometheus metrics, and KV cache events
+  (without a layer that gives them, the connector reports none, as vLLM's base
+  connector does);
 - before the engine starts (`flags.py`, in the process that parses the flags): the
   settings a layer serves and checks, the host memory its copies of the tier take.
   A setting that no registered layer serves is refused, never ignored.
@@ -24,15 +28,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+
     from vllm_cpu_offload.config import OffloadConfig
     from vllm_cpu_offload.scheduler.block_pool import HostBlockPool
-    from vllm_cpu_offload.scheduler.pool_events import PersistenceListener
+    from vllm_cpu_offload.scheduler.pool_events import PersistenceListener, PoolEvent
     from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
     from vllm_cpu_offload.spec import OffloadSpec
     from vllm_cpu_offload.worker.host_buffer import MappedMemory
     from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
 LAYERS: tuple[str, ...] = (
+    "vllm_cpu_offload.metrics",
+    "vllm_cpu_offload.events",
     "vllm_cpu_offload.lora_identity",
     "vllm_cpu_offload.scheduler.hints_layer",
     "vllm_cpu_offload.worker.region_layer",
@@ -96,6 +110,37 @@ class TierLayer:
 
     def attach_worker(self, worker: HostTierWorker) -> None:
         """Fills the worker half's seams."""
+
+    def scheduler_stats(self, scheduler: HostTierScheduler) -> KVConnectorStats | None:
+        """What the scheduler half tells vLLM's stats this step."""
+        return None
+
+    def worker_stats(self, worker: HostTierWorker) -> KVConnectorStats | None:
+        """What this worker tells vLLM's stats this step."""
+        return None
+
+    @classmethod
+    def stats_from(cls, data: dict[str, Any]) -> KVConnectorStats | None:
+        """The statistics `data` came from, rebuilt where vLLM gathers them."""
+        return None
+
+    @classmethod
+    def prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """The Prometheus metrics that show this layer's statistics."""
+        return None
+
+    def kv_events(
+        self, scheduler: HostTierScheduler, pool_events: list[PoolEvent]
+    ) -> list[KVCacheEvent]:
+        """The KV cache events of this step, from the pool's events (`pool_events`,
+        taken every step whether or not a layer publishes them)."""
+        return []
 
     def close(self) -> None:
         """Releases what the layer opened."""

@@ -5,12 +5,14 @@ half (time spent on transfers) hand vLLM an `OffloadStats` of what changed since
 last step; vLLM aggregates them, ships them to the API server and calls
 `OffloadPromMetrics.observe`. The payload is a flat dict of plain numbers so that it
 crosses processes as is.
+
+A layer of the tier (`layers.py`): without it the connector reports no statistics.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -20,7 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from vllm_cpu_offload.layers import TierLayer
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
+
+if TYPE_CHECKING:
+    from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
+    from vllm_cpu_offload.spec import OffloadSpec
+    from vllm_cpu_offload.worker.tier_worker import HostTierWorker
 
 PREFIX = "vllm:cpu_offload_"
 
@@ -192,3 +200,37 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
                 child.set(value)
             elif value > 0:
                 child.inc(value)
+
+
+class MetricsLayer(TierLayer):
+    """Reports either half's statistics to vLLM each step."""
+
+    def __init__(self, spec: OffloadSpec) -> None:
+        super().__init__(spec)
+        self._reporter = SchedulerStatsReporter()
+
+    def scheduler_stats(self, scheduler: HostTierScheduler) -> OffloadStats:
+        return self._reporter.take(scheduler.stats, scheduler.pool.usage)
+
+    def worker_stats(self, worker: HostTierWorker) -> OffloadStats | None:
+        data = worker.take_stats()
+        return OffloadStats(data=data) if data else None
+
+    @classmethod
+    def stats_from(cls, data: dict[str, Any]) -> OffloadStats:
+        return OffloadStats(data=dict(data))
+
+    @classmethod
+    def prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> OffloadPromMetrics:
+        return OffloadPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+
+layer = MetricsLayer

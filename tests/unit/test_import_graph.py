@@ -151,10 +151,10 @@ def test_the_package_imports_nothing_of_its_tests() -> None:
                 assert not any(a.name.startswith("tests") for a in node.names), name
 
 
-# What the connector stands on: a host tier with LRU eviction and the CPU copier, its
-# metrics and events. Every other module is a layer, a copier or a policy that plugs
-# into the core's seams by name (`layers.LAYERS`, `copiers/select.CUDA_COPIERS`,
-# `policies/registry.BUILTIN_POLICIES`).
+# What the connector stands on: a host tier with LRU eviction, the CPU copier and the
+# counters of its statistics. Every other module is a layer, a copier or a policy
+# that plugs into the core's seams by name (`layers.LAYERS`,
+# `copiers/select.CUDA_COPIERS`, `policies/registry.BUILTIN_POLICIES`).
 CORE = {
     f"{NAME}.{m}"
     for m in (
@@ -163,10 +163,8 @@ CORE = {
         "connector",
         "context_parallel",
         "errors",
-        "events",
         "layers",
         "metadata",
-        "metrics",
         "spec",
         "user_classes",
         "scheduler",

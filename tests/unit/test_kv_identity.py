@@ -19,31 +19,21 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
 
+from tests.unit.connector_configs import (  # noqa: E402
+    one_layer_kv_config,
+    vllm_config,
+    with_connector,
+)
 from vllm_cpu_offload.persist.block_index import BlockIndex  # noqa: E402
 from vllm_cpu_offload.persist.data_file import TierDataFile  # noqa: E402
 from vllm_cpu_offload.persist.fingerprint import tier_fingerprint  # noqa: E402
 from vllm_cpu_offload.remote.namespace import namespace_of  # noqa: E402
 from vllm_cpu_offload.scheduler.kv_groups import KVGroup  # noqa: E402
 
-BLOCK_SIZE = 32
 GROUPS = (KVGroup(0),)
 HOST_BLOCKS = 8
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
-
-
-def vllm_config(model: str, **model_kwargs: Any) -> Any:
-    """A vLLM config as the connector receives it: the KV cache layout is resolved by
-    the engine core before either half of the connector is made."""
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-
-    config = VllmConfig(
-        model_config=ModelConfig(model=model, **model_kwargs),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
-    )
-    config.cache_config.kv_cache_layout = "LBNHC"  # vLLM's NHD
-    return config
 
 
 def namespace(config: Any) -> str | None:
@@ -70,42 +60,6 @@ def hub_snapshot(cache_dir: Path, commit: str) -> None:
     (repo / "snapshots" / commit / "config.json").write_text("{}")
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
-
-
-def with_connector(config: Any, **extra: Any) -> Any:
-    """`config` naming the connector, with a host tier of 64 blocks of
-    `one_layer_kv_config` and the `extra` settings."""
-    from vllm.config import KVTransferConfig
-
-    page_bytes = BLOCK_SIZE * 2 * 4
-    config.kv_transfer_config = KVTransferConfig(
-        kv_connector="CPUOffloadConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={
-            "swap_space_gib": 64 * page_bytes / (1 << 30),
-            **extra,
-        },
-    )
-    return config
-
-
-def one_layer_kv_config(block_size: int = BLOCK_SIZE, num_blocks: int = 16) -> Any:
-    """The KV cache config of a model of one attention layer of one KV head of size
-    1, as the connector receives it."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
 
 
 def _backend(name: str) -> Any:

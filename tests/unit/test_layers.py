@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.unit.test_kv_identity import (  # noqa: E402
+from tests.unit.connector_configs import (  # noqa: E402
     one_layer_kv_config,
     vllm_config,
     with_connector,
@@ -35,6 +35,7 @@ def test_the_layers_a_setting_asks_for_fill_their_seams(
     spec = _spec(tiny_model, swap_space_path=str(tmp_path), retain_share=0.25)
     names = [type(layer).__module__ for layer in spec.layers]
     assert names == [
+        "vllm_cpu_offload.metrics",
         "vllm_cpu_offload.lora_identity",
         "vllm_cpu_offload.scheduler.hints_layer",
         "vllm_cpu_offload.persist.layer",

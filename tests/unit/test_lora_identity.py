@@ -166,7 +166,7 @@ def test_the_scheduler_half_installs_it(tiny_model: str) -> None:
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from tests.unit.test_kv_identity import one_layer_kv_config
+    from tests.unit.connector_configs import one_layer_kv_config
     from vllm_cpu_offload.connector import CPUOffloadConnector
 
     vllm_own = kv_cache_utils._gen_lora_extra_hash_keys

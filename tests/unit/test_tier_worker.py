@@ -49,7 +49,7 @@ def test_store_then_load_round_trips_the_bytes_and_reports_both_jobs() -> None:
     )
     assert worker.take_report() is None
     stats = worker.take_stats()
-    assert stats is not None and stats.data["store_seconds"] > 0
+    assert stats is not None and stats["store_seconds"] > 0
 
 
 def test_failed_load_reports_its_device_blocks_for_recompute() -> None:

@@ -3,7 +3,7 @@ test_transfer_engine_cuda.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -121,11 +121,16 @@ def test_bad_ids_fail_only_their_job() -> None:
     assert engine.poll_finished() == FinishedJobs(stores={5}, failed={1, 2, 3, 4})
 
 
-class _FailOn:
-    """A copier that raises whenever a given device block is in the batch."""
+class FailingCopier:
+    """A copier that raises on the batches `fails` picks by their device block ids
+    and layers, and copies the others."""
 
-    def __init__(self, inner: BlockCopier, bad_block: int) -> None:
-        self.inner, self.bad_block = inner, bad_block
+    def __init__(
+        self,
+        inner: BlockCopier,
+        fails: Callable[[list[int], Sequence[str] | None], bool],
+    ) -> None:
+        self.inner, self.fails = inner, fails
 
     def copy(
         self,
@@ -134,9 +139,13 @@ class _FailOn:
         host_ids: torch.Tensor,
         layers: Sequence[str] | None = None,
     ) -> None:
-        if self.bad_block in device_ids.tolist():
+        if self.fails(device_ids.tolist(), layers):
             raise RuntimeError("injected copy failure")
         self.inner.copy(to_host, device_ids, host_ids, layers)
+
+
+def fails_on_block(block: int) -> Callable[[list[int], Sequence[str] | None], bool]:
+    return lambda device_ids, layers: block in device_ids
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
@@ -145,7 +154,9 @@ def test_a_raising_copy_fails_its_job_not_the_step(direction: str) -> None:
     caches = _caches()
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     engine = TransferEngine(
-        caches, host, copier=_FailOn(TorchBlockCopier(caches, host), 4)
+        caches,
+        host,
+        copier=FailingCopier(TorchBlockCopier(caches, host), fails_on_block(4)),
     )
     jobs = [
         BlockTransfer(1, [0], [0]),

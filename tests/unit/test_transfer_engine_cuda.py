@@ -5,18 +5,18 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Sequence
 
 import pytest
 import torch
 
 from tests.unit.test_transfer_engine import (
     NUM_HOST_BLOCKS,
+    FailingCopier,
     _caches,
     _device_block,
-    _FailOn,
     _host_block,
     _store_step,
+    fails_on_block,
 )
 from vllm_cpu_offload.block_transfer import BlockTransfer
 from vllm_cpu_offload.worker.copiers.base import BlockCopier
@@ -159,30 +159,14 @@ def test_cuda_failed_launch_is_reported() -> None:
     from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
     engine = TransferEngine(
-        caches, host, copier=_FailOn(TritonBlockCopier(caches, host), 4)
+        caches,
+        host,
+        copier=FailingCopier(TritonBlockCopier(caches, host), fails_on_block(4)),
     )
     engine.start_loads([BlockTransfer(1, [4], [0])])
     _store_step(engine, list(caches), [BlockTransfer(2, [1], [1])])
     engine.wait_all()
     assert engine.poll_finished() == FinishedJobs(stores={2}, failed={1}, broken={1})
-
-
-class _FailAtLayer:
-    """A copier that raises when asked to copy `bad_layer` (layers before it copy)."""
-
-    def __init__(self, inner: BlockCopier, bad_layer: str) -> None:
-        self.inner, self.bad_layer = inner, bad_layer
-
-    def copy(
-        self,
-        to_host: bool,
-        device_ids: torch.Tensor,
-        host_ids: torch.Tensor,
-        layers: Sequence[str] | None = None,
-    ) -> None:
-        if layers is None or self.bad_layer in layers:
-            raise RuntimeError("injected copy failure")
-        self.inner.copy(to_host, device_ids, host_ids, layers)
 
 
 @pytest.mark.cuda
@@ -199,7 +183,11 @@ def test_cuda_a_launch_failing_at_a_layer_fails_its_job_after_the_queued_ones(
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
-    copier = _FailAtLayer(TritonBlockCopier(caches, host), names[-1])
+    # Layers before the last copy; the last raises.
+    copier = FailingCopier(
+        TritonBlockCopier(caches, host),
+        lambda device_ids, layers: layers is None or names[-1] in layers,
+    )
     engine = TransferEngine(caches, host, copier=copier)
     engine._layerwise_stores = True
     stream = engine._load_stream if direction == "load" else engine._store_stream

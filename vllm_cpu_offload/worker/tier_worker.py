@@ -19,7 +19,6 @@ import torch
 
 from vllm_cpu_offload.block_transfer import AsyncLoad, BlockTransfer
 from vllm_cpu_offload.metadata import OffloadStepMetadata, OffloadWorkerReport
-from vllm_cpu_offload.metrics import OffloadStats
 from vllm_cpu_offload.worker.copiers.select import Candidate
 from vllm_cpu_offload.worker.host_buffer import HostBuffer, MappedMemory
 from vllm_cpu_offload.worker.tier_seams import (
@@ -325,7 +324,8 @@ class HostTierWorker:
         self._report = OffloadWorkerReport()
         return report
 
-    def take_stats(self) -> OffloadStats | None:
+    def take_stats(self) -> dict[str, float] | None:
+        """Copy time and the shared tier's counts since the last call (None: none)."""
         remote = self.shared.take_stats()
         if not (self._load_seconds or self._store_seconds or remote):
             return None
@@ -335,7 +335,7 @@ class HostTierWorker:
             **remote,
         }
         self._load_seconds = self._store_seconds = 0.0
-        return OffloadStats(data=data)
+        return data
 
     def drain(self) -> None:
         """Waits for every copy in flight; their results are reported as usual."""
