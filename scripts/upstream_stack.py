@@ -535,14 +535,14 @@ def in_tree_refs(
             for candidate in (f"{stem}.py", f"{stem}/__init__.py"):
                 if candidate in names and candidate != unit.name:
                     units.add(candidate)
-    # `from <in-tree package> import <module>` names the module in the import list
+    # `from <in-tree package>[.sub] import <module>` names the module in the import list
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            IN_TREE_MOD + "."
-        ):
-            base = node.module[len(IN_TREE_MOD) + 1 :]  # type: ignore[index]
-            for alias in node.names:
-                target = module_path(f"{base}.{alias.name}", known)
+        name = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        if name == IN_TREE_MOD or name.startswith(IN_TREE_MOD + "."):
+            base = name[len(IN_TREE_MOD) + 1 :]
+            for alias in node.names:  # type: ignore[attr-defined]
+                dotted = f"{base}.{alias.name}" if base else alias.name
+                target = module_path(dotted, known)
                 if target:
                     modules.add(target)
     modules.discard("")
