@@ -49,6 +49,7 @@ LAYERS: tuple[str, ...] = (
     "vllm_cpu_offload.events",
     "vllm_cpu_offload.lora_identity",
     "vllm_cpu_offload.scheduler.hints_layer",
+    "vllm_cpu_offload.scheduler.drafter_layer",
     "vllm_cpu_offload.worker.region_layer",
     "vllm_cpu_offload.persist.layer",
     "vllm_cpu_offload.remote.layer",

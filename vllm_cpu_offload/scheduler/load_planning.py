@@ -39,6 +39,8 @@ class LoadPlanning:
     retention: NoRetention
     read_hints: Callable[[Request], RequestHints]
     _single_full_group: bool
+    hit_to_last_token: bool
+    drafter_tail_is_volatile: bool
     _null_block_id: int
     _requests: dict[str, RequestState]
     _jobs: dict[int, JobInFlight]
@@ -57,11 +59,10 @@ class LoadPlanning:
         # blocks that end by `last` count. At least one token must be computed to
         # sample from: with full attention alone a hit may cover the prompt's last
         # block but one token, whose KV the forward writes again; with other groups
-        # (a state-space group's state cannot take a token twice) it ends a block
-        # earlier.
-        end_token = (
-            request.num_tokens if self._single_full_group else (request.num_tokens - 1)
-        )
+        # (a state-space group's state cannot take a token twice) and with a drafter
+        # (vLLM's proposers take a one-token prefill for a decode step: measured,
+        # acceptance falls) it ends a block earlier, where vLLM's own hit ends.
+        end_token = request.num_tokens - (0 if self.hit_to_last_token else 1)
         last = min(len(request.block_hashes), end_token // self.block_size)
         first_hb, last_hb = first // k, last // k
         hits, state.remote_hit = 0, None
@@ -80,10 +81,18 @@ class LoadPlanning:
                 if hbs:
                     end = (first_hb + hbs) * k
                     self.pool.touch(self._needed_keys(hashes, first, end))
-            if hbs:
-                hits = (first_hb + hbs) * k - first
             start = first_hb + hbs
             remote_hbs = self._remote_hits(state, first_hb, start, last_hb)
+            if self.drafter_tail_is_volatile and hbs + remote_hbs:
+                # An EAGLE-style drafter's KV at a block's last position was computed
+                # from the token after it, which the block's hash does not cover: the
+                # hit's last block is recomputed, as vLLM drops it from its own hits.
+                if remote_hbs:
+                    remote_hbs -= 1
+                else:
+                    hbs -= 1
+            if hbs:
+                hits = (first_hb + hbs) * k - first
             if remote_hbs:
                 state.remote_hit = (start, remote_hbs)
                 hits = (start + remote_hbs) * k - first

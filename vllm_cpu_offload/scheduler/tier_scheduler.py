@@ -100,6 +100,11 @@ class HostTierScheduler(LoadPlanning):
         )
         self.groups = tuple(groups)
         self._single_full_group = self.groups == FULL_ATTENTION_ONLY
+        # Seams of speculative decoding (`drafter_layer.py`): whether a hit may
+        # cover a prompt's last block but one token (see `get_num_new_matched_tokens`)
+        # and whether its last block is recomputed.
+        self.hit_to_last_token = self._single_full_group
+        self.drafter_tail_is_volatile = False
         # Whether stores record what vLLM's BlockStored events say (KV events are on).
         self.record_stored_blocks = record_stored_blocks
         self._null_block_id = NULL_BLOCK_ID

@@ -1,0 +1,90 @@
+"""With speculative decoding, host hits end where vLLM's own hits end, and an
+EAGLE-style drafter's volatile last block is recomputed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.unit.test_tier_scheduler import (  # noqa: E402
+    BS,
+    Engine,
+    _prefill,
+    _request,
+)
+from vllm_cpu_offload.scheduler.drafter_layer import (  # noqa: E402
+    DrafterLayer,
+    describe_drafter,
+    drafter_tail_is_volatile,
+)
+
+
+def _speculative(method: str, *, drop: bool = True, draft: bool = True) -> Any:
+    return SimpleNamespace(
+        method=method,
+        draft_model_config=object() if draft else None,
+        use_eagle=lambda: method in ("eagle", "eagle3", "mtp"),
+        use_eagle_block_drop=lambda: drop and method in ("eagle", "eagle3", "mtp"),
+    )
+
+
+def _with_drafter(speculative: Any) -> Engine:
+    engine = Engine()
+    spec = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=speculative))
+    assert DrafterLayer.wanted(spec)  # type: ignore[arg-type]
+    DrafterLayer(spec).attach_scheduler(engine.tier)  # type: ignore[arg-type]
+    return engine
+
+
+def _stored(engine: Engine, tokens: list[int]) -> None:
+    engine.report(_prefill(engine, _request("a", tokens)).stores[0].job_id)
+
+
+def test_without_a_drafter_a_hit_reaches_the_prompts_last_token() -> None:
+    engine = Engine()
+    _stored(engine, list(range(12)))
+    assert engine.tier.get_num_new_matched_tokens(
+        _request("b", list(range(12))), 0
+    ) == (3 * BS - 1)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_with_a_drafter_a_hit_ends_a_block_before_the_prompts_end(method: str) -> None:
+    # vLLM's own hit of a prompt that ends on a block boundary leaves its last block:
+    # the first step then computes a block, not one token, as the proposers expect.
+    engine = _with_drafter(_speculative(method, draft=method != "ngram"))
+    _stored(engine, list(range(12)))
+    twin = _request("b", list(range(12)))
+    assert engine.tier.get_num_new_matched_tokens(twin, 0) == 2 * BS
+    # Off a block boundary nothing changes.
+    longer = _request("c", list(range(12)) + [99])
+    assert engine.tier.get_num_new_matched_tokens(longer, 0) == 3 * BS
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_an_eagle_style_drafters_last_block_of_a_hit_is_recomputed(method: str) -> None:
+    # Block 2's drafter KV at its last position was computed from token 12 of the
+    # request that stored it; "c" goes on with another token there.
+    engine = _with_drafter(_speculative(method))
+    _stored(engine, list(range(12)) + [50, 51])
+    other = _request("c", list(range(12)) + [77, 78])
+    assert engine.tier.get_num_new_matched_tokens(other, 0) == 2 * BS
+    # From a device hit of two blocks, the one host block past it is the hit's last.
+    assert engine.tier.get_num_new_matched_tokens(other, 2 * BS) == 0
+    # vLLM's block drop turned off: nothing is dropped.
+    engine = _with_drafter(_speculative(method, drop=False))
+    _stored(engine, list(range(12)) + [50, 51])
+    other = _request("c", list(range(12)) + [77, 78])
+    assert engine.tier.get_num_new_matched_tokens(other, 0) == 3 * BS
+
+
+def test_the_start_up_line_says_what_the_drafter_stores() -> None:
+    assert "adds no KV" in describe_drafter(_speculative("ngram", draft=False))
+    assert describe_drafter(_speculative("draft_model")).endswith("with the target's")
+    assert "last block is recomputed" in describe_drafter(_speculative("eagle3"))
+    assert not drafter_tail_is_volatile(_speculative("draft_model"))
+    assert drafter_tail_is_volatile(_speculative("mtp"))

@@ -1,0 +1,70 @@
+"""Speculative decoding, as a layer of the tier (`layers.py`).
+
+A drafter's layers (a draft model's, an EAGLE head's, MTP's) keep their KV in the same
+device blocks as the target's, so the host tier stores and loads it with them. Two
+things differ from a tier without a drafter, both in how far a host hit reaches:
+
+- vLLM's proposers take a request whose first step computes one token for a decode
+  step, and their acceptance falls (measured on the CPU platform: ngram 0.47 -> 0.37,
+  the target as its own draft model 1.00 -> 0.86). A hit then ends where vLLM's own
+  prefix-cache hit ends, a whole block before the prompt's end, never one token before.
+- An EAGLE-style drafter (EAGLE, EAGLE-3, MTP) computes its KV at a position from the
+  target's hidden state there and the token after it. At a block's last position that
+  token lies in the next block, which the block's hash does not cover: another
+  request with the same block may go on differently. The last block of every hit is
+  recomputed, as vLLM drops it from its own hits (`use_eagle_block_drop`).
+
+Without this layer the tokens are the same (the target verifies every draft); only the
+acceptance rate can fall.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from vllm_cpu_offload.layers import TierLayer
+
+if TYPE_CHECKING:
+    from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
+    from vllm_cpu_offload.spec import OffloadSpec
+
+logger = init_logger("vllm.cpu_offload")
+
+
+def drafter_tail_is_volatile(speculative_config: Any) -> bool:
+    """Whether the drafter's KV at a block's last position depends on the token after
+    the block (and vLLM drops such blocks from its own hits)."""
+    drop = getattr(speculative_config, "use_eagle_block_drop", None)
+    if drop is not None:
+        return bool(drop())
+    return bool(speculative_config.use_eagle())
+
+
+def describe_drafter(speculative_config: Any) -> str:
+    """What the start-up line says of the drafter's KV."""
+    method = speculative_config.method
+    if method == "ngram" or speculative_config.draft_model_config is None:
+        return f"speculative decoding ({method}) adds no KV"
+    volatile = drafter_tail_is_volatile(speculative_config)
+    return f"the {method} drafter's KV is stored and loaded with the target's" + (
+        "; each hit's last block is recomputed" if volatile else ""
+    )
+
+
+class DrafterLayer(TierLayer):
+    """Ends host hits where speculative decoding keeps its acceptance rate."""
+
+    @classmethod
+    def wanted(cls, spec: OffloadSpec) -> bool:
+        return spec.vllm_config.speculative_config is not None
+
+    def attach_scheduler(self, scheduler: HostTierScheduler) -> None:
+        speculative = self.spec.vllm_config.speculative_config
+        scheduler.hit_to_last_token = False
+        scheduler.drafter_tail_is_volatile = drafter_tail_is_volatile(speculative)
+        logger.info("CPU offload: %s", describe_drafter(speculative))
+
+
+layer = DrafterLayer
