@@ -14,8 +14,9 @@ changes the forward pass and is left out of it would serve stale compiled graphs
 - the cache config: the KV-cache dtype, the layers it skips, the resolved KV cache
   layout (the byte order inside a block), block size, window settings;
 - the attention config: the backend chosen and its numerics settings.
-Around them: the weights actually loaded (`weights_identity`), the load format, the
-speculative method and draft model (their layers' KV is in the same blocks),
+Around them: the weights actually loaded (`weights_identity`: the target's and a draft
+model's, whose layers' KV is in the same blocks), the load format, the speculative
+method and draft model,
 `max_model_len` as the layers were built with it (vLLM builds them before it may shrink
 the length to fit memory), the host block size and KV cache groups, each rank's share
 (pipeline parallel size, and the tensor-parallel size only where a block's values in
@@ -68,7 +69,7 @@ def kv_identity(
     return {
         "vllm": vllm.__version__.split("+")[0],
         "model": str(model.model),
-        "weights": weights_identity(model, load.download_dir)
+        "weights": _weights_of(model, speculative, load.download_dir)
         if all(digests.values())
         else None,
         "load_format": str(load.load_format),
@@ -102,6 +103,20 @@ def kv_identity(
 
 # The configs whose vLLM digest is part of the identity (`kv_identity`).
 CONFIG_DIGESTS = ("model_config", "cache_config", "attention_config")
+
+
+def _weights_of(
+    model: Any, speculative: Any, download_dir: str | None
+) -> str | list[str] | None:
+    """The target's weights and, with a draft model (a draft model's, an EAGLE head's,
+    MTP's layers, whose KV the blocks hold too), the drafter's; None where either is
+    unidentified."""
+    target = weights_identity(model, download_dir)
+    draft = getattr(speculative, "draft_model_config", None)
+    if draft is None or target is None:
+        return target
+    drafter = weights_identity(draft, download_dir)
+    return None if drafter is None else [target, drafter]
 
 
 def _config_digest(config: Any) -> str | None:

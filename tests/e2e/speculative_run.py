@@ -5,7 +5,10 @@ Run in a fresh process (tests/e2e/test_speculative_decoding.py): vLLM's CPU plat
 rebinds its Triton kernels by scanning every imported module, which fails on an object
 of llvmlite that an earlier test of the same process may have imported.
 
-    python -m tests.e2e.speculative_run MODEL METHOD on|off DEVICE_BLOCKS
+    python -m tests.e2e.speculative_run MODEL METHOD on|off BLOCKS [PASSES [PATH]]
+
+PASSES (default 2) reads of every document, the last one measured; PATH is
+--swap-space-path (a tier that survives restarts).
 """
 
 from __future__ import annotations
@@ -36,10 +39,17 @@ def _counters(llm: Any) -> dict[str, float]:
     return found
 
 
-def main(model: str, method: str, offload: bool, device_blocks: int) -> None:
+def main(
+    model: str,
+    method: str,
+    offload: bool,
+    device_blocks: int,
+    passes: int = 2,
+    path: str | None = None,
+) -> None:
     from vllm import SamplingParams
 
-    from tests.e2e.conftest import make_llm, scheduler_connector
+    from tests.e2e.conftest import make_llm, scheduler_connector, shutdown
 
     speculative: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
     if method == "ngram":
@@ -47,7 +57,9 @@ def main(model: str, method: str, offload: bool, device_blocks: int) -> None:
     else:
         speculative |= {"model": model}
     # Room in host memory for every document, the drafter's layers included.
-    host = dict(swap_space=0.05) if offload else {}
+    host: dict[str, Any] = dict(swap_space=0.05) if offload else {}
+    if path:
+        host["swap_space_path"] = path
     llm = make_llm(
         model,
         offload=offload,
@@ -58,8 +70,9 @@ def main(model: str, method: str, offload: bool, device_blocks: int) -> None:
     )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     docs = documents()
-    for doc in docs:
-        llm.generate([doc], params, use_tqdm=False)
+    for _ in range(passes - 1):
+        for doc in docs:
+            llm.generate([doc], params, use_tqdm=False)
     before = _counters(llm)
     outs = [llm.generate([doc], params, use_tqdm=False)[0] for doc in docs]
     after = _counters(llm)
@@ -75,8 +88,17 @@ def main(model: str, method: str, offload: bool, device_blocks: int) -> None:
         drafted=drafted,
         acceptance=accepted / drafted if drafted else None,
     )
+    shutdown(llm)  # a tier on disk is closed as a server's would be
     print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] == "on", int(sys.argv[4]))
+    model, method, on, blocks, *rest = sys.argv[1:]
+    main(
+        model,
+        method,
+        on == "on",
+        int(blocks),
+        passes=int(rest[0]) if rest else 2,
+        path=rest[1] if len(rest) > 1 else None,
+    )

@@ -199,6 +199,45 @@ def test_weights_rewritten_to_the_same_size_change_the_namespace(
     assert before is not None and after is not None and after != before
 
 
+def _with_drafter(config: Any, method: str, drafter: Any) -> Any:
+    """`config` as vLLM resolves a speculative config with `drafter`'s model config
+    (None: a method without a draft model)."""
+    from types import SimpleNamespace
+
+    model = None if drafter is None else str(drafter.model)
+    config.speculative_config = SimpleNamespace(
+        method=method, model=model, draft_model_config=drafter
+    )
+    return config
+
+
+def test_the_drafter_and_its_weights_are_part_of_the_identity(
+    local_model: Path, tiny_model: str, tmp_path: Path
+) -> None:
+    # Engines with another drafter, or none, write other bytes in the drafter's
+    # layers: they share nothing. A draft model's weights count as the target's do.
+    from vllm.config import ModelConfig
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(local_model, drafter)
+    plain = namespace(vllm_config(tiny_model))
+    ngram = namespace(_with_drafter(vllm_config(tiny_model), "ngram", None))
+    draft = namespace(
+        _with_drafter(vllm_config(tiny_model), "draft_model", ModelConfig(str(drafter)))
+    )
+    assert len({plain, ngram, draft}) == 3 and None not in {plain, ngram, draft}
+    _write_checkpoint(drafter, seed=1)  # the drafter fine-tuned, at the same path
+    retrained = namespace(
+        _with_drafter(vllm_config(tiny_model), "draft_model", ModelConfig(str(drafter)))
+    )
+    assert retrained is not None and retrained != draft
+    # A drafter whose weights nothing names shares nothing.
+    unnamed = ModelConfig(str(drafter))
+    unnamed.model_weights = "s3://bucket/drafter"
+    config = _with_drafter(vllm_config(tiny_model), "draft_model", unnamed)
+    assert namespace(config) is None
+
+
 def test_a_copy_of_the_same_weights_shares(local_model: Path) -> None:
     # Machines of a fleet hold their own copies, with their own modification times.
     before = vllm_config(str(local_model))
