@@ -1,25 +1,29 @@
-"""One engine with speculative decoding reads every document twice; prints the
-re-reads' tokens, cached tokens, host hit tokens and acceptance rate as a RESULT line.
+"""One engine with speculative decoding runs a scenario; prints what its measured
+requests gave (tokens, cached tokens, host hit tokens, acceptance rate) as a RESULT
+line.
 
 Run in a fresh process (tests/e2e/test_speculative_decoding.py): vLLM's CPU platform
 rebinds its Triton kernels by scanning every imported module, which fails on an object
 of llvmlite that an earlier test of the same process may have imported.
 
-    python -m tests.e2e.speculative_run MODEL METHOD on|off BLOCKS [PASSES [PATH]]
-
-PASSES (default 2) reads of every document, the last one measured; PATH is
---swap-space-path (a tier that survives restarts).
+Scenarios:
+- `rereads`: every document read `--passes` times, the last pass measured;
+- `continuations`: a prefix of two blocks and one continuation, then, once the device
+  cache lost them, the same prefix with another continuation, measured. An EAGLE-style
+  drafter's KV at the prefix's last position was computed from the first
+  continuation's first token.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
-import sys
 from typing import Any
 
 DOCS = 4
 WORDS, REPEATS = 40, 12  # each document: 40 words, 12 times (480 tokens, 15 blocks)
+TRIALS = 8  # of the continuations scenario
 
 
 def documents() -> list[str]:
@@ -39,66 +43,103 @@ def _counters(llm: Any) -> dict[str, float]:
     return found
 
 
-def main(
-    model: str,
-    method: str,
-    offload: bool,
-    device_blocks: int,
-    passes: int = 2,
-    path: str | None = None,
-) -> None:
+class Measured:
+    """The measured requests' outputs and the acceptance counters around them."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm, self.outputs = llm, []
+        self.accepted = self.drafted = 0.0
+
+    def generate(self, prompt: str, params: Any) -> None:
+        before = _counters(self.llm)
+        self.outputs.append(self.llm.generate([prompt], params, use_tqdm=False)[0])
+        after = _counters(self.llm)
+        self.accepted += after["spec_decode_num_accepted_tokens"]
+        self.accepted -= before["spec_decode_num_accepted_tokens"]
+        self.drafted += after["spec_decode_num_draft_tokens"]
+        self.drafted -= before["spec_decode_num_draft_tokens"]
+
+
+def _rereads(llm: Any, params: Any, passes: int) -> Measured:
+    docs, measured = documents(), Measured(llm)
+    for _ in range(passes - 1):
+        for doc in docs:
+            llm.generate([doc], params, use_tqdm=False)
+    for doc in docs:
+        measured.generate(doc, params)
+    return measured
+
+
+def _continuations(llm: Any, params: Any) -> Measured:
+    from vllm_cpu_offload.testing.tiny_model import random_words
+
+    rng, measured = random.Random(1), Measured(llm)
+    for _ in range(TRIALS):
+        prefix = random_words(rng, 64)
+        first = f"{prefix} {random_words(rng, 40)}"
+        other = f"{prefix} {random_words(rng, 40)}"
+        llm.generate([first], params, use_tqdm=False)
+        llm.generate([random_words(rng, 190)], params, use_tqdm=False)  # evicts it
+        measured.generate(other, params)
+    return measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("method", choices=["ngram", "draft_model", "eagle"])
+    parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--device-blocks", type=int, required=True)
+    parser.add_argument("--scenario", default="rereads")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--swap-space-path")
+    parser.add_argument("--max-model-len", type=int)
+    args = parser.parse_args()
     from vllm import SamplingParams
 
     from tests.e2e.conftest import make_llm, scheduler_connector, shutdown
 
-    speculative: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
-    if method == "ngram":
+    model = args.model
+    speculative: dict[str, Any] = {"method": args.method, "num_speculative_tokens": 3}
+    if args.method == "ngram":
         speculative |= {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    else:
+    elif args.method == "draft_model":
         speculative |= {"model": model}
+    else:
+        from vllm_cpu_offload.testing.tiny_eagle import ensure_eagle_pair
+
+        target, head = ensure_eagle_pair()
+        model, speculative["model"] = str(target), str(head)
     # Room in host memory for every document, the drafter's layers included.
-    host: dict[str, Any] = dict(swap_space=0.05) if offload else {}
-    if path:
-        host["swap_space_path"] = path
+    host: dict[str, Any] = dict(swap_space=0.05) if args.offload else {}
+    if args.swap_space_path:
+        host["swap_space_path"] = args.swap_space_path
+    if args.max_model_len:
+        host["max_model_len"] = args.max_model_len
     llm = make_llm(
         model,
-        offload=offload,
-        num_gpu_blocks_override=device_blocks,
+        offload=args.offload,
+        num_gpu_blocks_override=args.device_blocks,
         speculative_config=speculative,
         disable_log_stats=False,
         **host,
     )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    docs = documents()
-    for _ in range(passes - 1):
-        for doc in docs:
-            llm.generate([doc], params, use_tqdm=False)
-    before = _counters(llm)
-    outs = [llm.generate([doc], params, use_tqdm=False)[0] for doc in docs]
-    after = _counters(llm)
-    accepted, drafted = (
-        after[n] - before[n]
-        for n in ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens")
-    )
+    if args.scenario == "rereads":
+        measured = _rereads(llm, params, args.passes)
+    else:
+        measured = _continuations(llm, params)
     connector = scheduler_connector(llm)
     result = dict(
-        tokens=[list(o.outputs[0].token_ids) for o in outs],
-        cached=[o.num_cached_tokens for o in outs],
+        tokens=[list(o.outputs[0].token_ids) for o in measured.outputs],
+        cached=[o.num_cached_tokens for o in measured.outputs],
         host_hit_tokens=connector.scheduler.stats.hit_tokens if connector else 0,
-        drafted=drafted,
-        acceptance=accepted / drafted if drafted else None,
+        drafted=measured.drafted,
+        acceptance=measured.accepted / measured.drafted if measured.drafted else None,
     )
     shutdown(llm)  # a tier on disk is closed as a server's would be
     print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":
-    model, method, on, blocks, *rest = sys.argv[1:]
-    main(
-        model,
-        method,
-        on == "on",
-        int(blocks),
-        passes=int(rest[0]) if rest else 2,
-        path=rest[1] if len(rest) > 1 else None,
-    )
+    main()

@@ -1,13 +1,14 @@
 """Speculative decoding with the host tier (real vLLM, CPU platform): re-reads served
-from host memory give the same greedy tokens and the same acceptance rate as re-reads
-from a device cache that holds everything.
+from host memory, or from a tier on disk after a restart, give the same greedy tokens
+and the same acceptance rate as re-reads from a device cache that holds everything.
 
 The drafters agree with the target when their inputs are right (ngram drafts from the
-documents' own repeats; the target is its own draft model), so a wrong or missing
-drafter KV, or a first step vLLM's proposers do not expect, shows as lost acceptance.
-The documents end on a block boundary, where a host hit could reach the prompt's last
-token and vLLM's own hit stops a block earlier (there, without the drafter layer,
-ngram's acceptance fell from 0.47 to 0.37 and the draft model's from 1.00 to 0.86).
+documents' own repeats; the target is its own draft model; the EAGLE head of
+`testing/tiny_eagle.py` reproduces its target), so a wrong or missing drafter KV, or a
+first step vLLM's proposers do not expect, shows as lost acceptance. The documents end
+on a block boundary, where a host hit could reach the prompt's last token and vLLM's
+own hit stops a block earlier (there, without the drafter layer, ngram's acceptance
+fell from 0.47 to 0.37 and the draft model's from 1.00 to 0.86).
 """
 
 from __future__ import annotations
@@ -21,24 +22,19 @@ import pytest
 
 from tests.conftest import BLOCK_SIZE
 from tests.e2e.conftest import script_result
-from tests.e2e.speculative_run import DOCS, REPEATS, WORDS
+from tests.e2e.speculative_run import DOCS, REPEATS, TRIALS, WORDS
 
 pytestmark = pytest.mark.e2e
 
+METHODS = ["ngram", "draft_model", "eagle"]
 
-def _run(
-    model: str,
-    method: str,
-    offload: bool,
-    device_blocks: int,
-    passes: int = 2,
-    path: Path | None = None,
-) -> Any:
-    args = [model, method, "on" if offload else "off", str(device_blocks), str(passes)]
+
+def _run(model: str, method: str, *args: str) -> Any:
     return script_result(
         "tests.e2e.speculative_run",
+        model,
+        method,
         *args,
-        *([str(path)] if path else []),
         env=dict(os.environ),
         timeout=400,
     )
@@ -47,14 +43,11 @@ def _run(
 @functools.cache
 def _reference(model: str, method: str) -> Any:
     """Re-reads on an engine whose device cache holds every document."""
-    return _run(model, method, offload=False, device_blocks=200)
+    return _run(model, method, "--device-blocks", "200")
 
 
 def _assert_same_rereads(tier: Any, reference: Any, min_host_hit_docs: int) -> None:
     assert tier["tokens"] == reference["tokens"]
-    # Both re-read all but each document's last block, the tier from host memory.
-    blocks = WORDS * REPEATS // BLOCK_SIZE
-    assert reference["cached"] == [(blocks - 1) * BLOCK_SIZE] * DOCS
     assert tier["cached"] == reference["cached"]
     assert tier["host_hit_tokens"] >= min_host_hit_docs * tier["cached"][0]
     assert reference["drafted"] > 0
@@ -64,26 +57,48 @@ def _assert_same_rereads(tier: Any, reference: Any, min_host_hit_docs: int) -> N
     )
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", METHODS)
 def test_rereads_from_host_memory_keep_the_acceptance_rate(
     tiny_model: str, method: str
 ) -> None:
     # The tier's engine has 24 device blocks, which hold one document at most.
     reference = _reference(tiny_model, method)
-    tier = _run(tiny_model, method, offload=True, device_blocks=24)
-    _assert_same_rereads(tier, reference, min_host_hit_docs=DOCS - 1)
-    if method == "draft_model":
+    # vLLM's hit leaves each document's last block, and for EAGLE one more (the
+    # drafter's KV at its last position depends on the token after it).
+    kept = WORDS * REPEATS // BLOCK_SIZE - (2 if method == "eagle" else 1)
+    assert reference["cached"] == [kept * BLOCK_SIZE] * DOCS
+    if method != "ngram":
         assert reference["acceptance"] == 1.0  # so lost drafter KV would show
+    tier = _run(tiny_model, method, "--offload", "--device-blocks", "24")
+    _assert_same_rereads(tier, reference, min_host_hit_docs=DOCS - 1)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+# ngram adds no KV: its hits end as on the host tier, tested above.
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
 def test_rereads_from_the_file_tier_after_a_restart_keep_the_acceptance_rate(
     tiny_model: str, method: str, tmp_path: Path
 ) -> None:
     # One engine reads every document once into a tier on disk; a new engine reads
     # them again, every hit from what it restored.
-    _run(tiny_model, method, offload=True, device_blocks=24, passes=1, path=tmp_path)
-    restarted = _run(
-        tiny_model, method, offload=True, device_blocks=24, passes=1, path=tmp_path
-    )
+    args = ["--offload", "--device-blocks", "24", "--passes", "1"]
+    args += ["--swap-space-path", str(tmp_path)]
+    _run(tiny_model, method, *args)
+    restarted = _run(tiny_model, method, *args)
     _assert_same_rereads(restarted, _reference(tiny_model, method), DOCS)
+
+
+def test_an_eagle_hit_does_not_serve_drafter_kv_of_another_continuation(
+    tiny_model: str,
+) -> None:
+    # A prefix stored with one continuation, read with another: the drafter's KV at
+    # the prefix's last position came from the first continuation's first token. The
+    # tier recomputes the hit's last block, as vLLM does (measured without it: the
+    # host hit covers that block and acceptance falls from 0.929 to 0.916).
+    args = ["--scenario", "continuations", "--max-model-len", "256"]
+    reference = _run(tiny_model, "eagle", *args, "--device-blocks", "200")
+    tier = _run(tiny_model, "eagle", *args, "--offload", "--device-blocks", "9")
+    assert tier["tokens"] == reference["tokens"]
+    # The prefix's first block of two: from the device cache, or from host memory.
+    assert reference["cached"] == tier["cached"] == [BLOCK_SIZE] * TRIALS
+    assert tier["host_hit_tokens"] == BLOCK_SIZE * TRIALS
+    assert tier["acceptance"] == reference["acceptance"]
