@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--swap-space-path")
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--swap-space-remote")
     args = parser.parse_args()
     from vllm import SamplingParams
 
@@ -114,6 +115,8 @@ def main() -> None:
     host: dict[str, Any] = dict(swap_space=0.05) if args.offload else {}
     if args.swap_space_path:
         host["swap_space_path"] = args.swap_space_path
+    if args.swap_space_remote:
+        host["swap_space_remote"] = args.swap_space_remote
     if args.max_model_len:
         host["max_model_len"] = args.max_model_len
     llm = make_llm(
@@ -129,11 +132,17 @@ def main() -> None:
         measured = _rereads(llm, params, args.passes)
     else:
         measured = _continuations(llm, params)
+    if args.swap_space_remote:
+        # One more step plans the write-through of the last document's blocks;
+        # shutting down waits for the writes in flight.
+        llm.generate(["one more step"], params, use_tqdm=False)
     connector = scheduler_connector(llm)
+    stats = connector.scheduler.stats if connector else None
     result = dict(
         tokens=[list(o.outputs[0].token_ids) for o in measured.outputs],
         cached=[o.num_cached_tokens for o in measured.outputs],
-        host_hit_tokens=connector.scheduler.stats.hit_tokens if connector else 0,
+        host_hit_tokens=stats.hit_tokens if stats else 0,
+        remote_hit_tokens=stats.remote_hit_tokens if stats else 0,
         drafted=measured.drafted,
         acceptance=measured.accepted / measured.drafted if measured.drafted else None,
     )

@@ -1,5 +1,6 @@
 """Speculative decoding with the host tier (real vLLM, CPU platform): re-reads served
-from host memory, or from a tier on disk after a restart, give the same greedy tokens
+from host memory, from a tier on disk after a restart, or from the shared store on
+another engine give the same greedy tokens
 and the same acceptance rate as re-reads from a device cache that holds everything.
 
 The drafters agree with the target when their inputs are right (ngram drafts from the
@@ -85,6 +86,22 @@ def test_rereads_from_the_file_tier_after_a_restart_keep_the_acceptance_rate(
     _run(tiny_model, method, *args)
     restarted = _run(tiny_model, method, *args)
     _assert_same_rereads(restarted, _reference(tiny_model, method), DOCS)
+
+
+# ngram adds no KV: its hits end as on the host tier, tested above.
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_rereads_from_the_shared_tier_on_another_engine_keep_the_acceptance_rate(
+    tiny_model: str, method: str, redis_url: str
+) -> None:
+    # Engine A reads every document once and writes its blocks through to the store;
+    # engine B, with empty host memory, reads them from the store.
+    args = ["--offload", "--device-blocks", "24", "--passes", "1"]
+    args += ["--swap-space-remote", redis_url]
+    _run(tiny_model, method, *args)
+    second = _run(tiny_model, method, *args)
+    reference = _reference(tiny_model, method)
+    assert second["remote_hit_tokens"] >= (DOCS - 1) * reference["cached"][0]
+    _assert_same_rereads(second, reference, min_host_hit_docs=0)
 
 
 def test_an_eagle_hit_does_not_serve_drafter_kv_of_another_continuation(
