@@ -88,3 +88,31 @@ def test_the_start_up_line_says_what_the_drafter_stores() -> None:
     assert "last block is recomputed" in describe_drafter(_speculative("eagle3"))
     assert not drafter_tail_is_volatile(_speculative("draft_model"))
     assert drafter_tail_is_volatile(_speculative("mtp"))
+
+
+def test_an_eagle_drop_with_a_window_group_looks_for_the_shorter_hit_again() -> None:
+    # A full group and an 8-token (two-block) window group. The host tier holds
+    # blocks 0-5 of the full group and only 4-5 of the window group: a 6-block hit is
+    # servable, but its volatile last block dropped, a 5-block hit needs window
+    # block 3, which the tier lacks. Looked up again, the hit is the longest one
+    # every group serves that ends earlier: none here, not a load bound to miss.
+    engine = Engine(host_blocks=16, sliding_window=8)
+    spec = SimpleNamespace(
+        vllm_config=SimpleNamespace(speculative_config=_speculative("eagle"))
+    )
+    DrafterLayer(spec).attach_scheduler(engine.tier)  # type: ignore[arg-type]
+    pool = engine.tier.pool
+    request = _request("b", list(range(26)))
+    hashes = request.block_hashes
+
+    def hold(group: int, blocks: range) -> None:
+        keys = [(group, hashes[i]) for i in blocks]
+        parent = (group, hashes[blocks.start - 1]) if blocks.start else None
+        assert len(pool.allocate_for_store(keys, parent)) == len(keys)
+        pool.complete_store(keys, success=True)
+
+    hold(0, range(6))
+    hold(1, range(4, 6))
+    assert engine.tier.get_num_new_matched_tokens(request, 0) == 0
+    hold(1, range(2, 4))  # window blocks 2 and 3 too: 5 blocks are servable
+    assert engine.tier.get_num_new_matched_tokens(request, 0) == 5 * BS

@@ -67,32 +67,17 @@ class LoadPlanning:
         first_hb, last_hb = first // k, last // k
         hits, state.remote_hit = 0, None
         if last_hb > first_hb and not state.load_failed:
-            hashes = request.block_hashes
-            if self._single_full_group:
-                hbs = self.pool.count_hits(self._keys(0, hashes, first_hb, last_hb))
-            else:
-                hbs = longest_hit(
-                    self.groups,
-                    self.block_size * k,
-                    first_hb,
-                    last_hb,
-                    self._is_ready(hashes),
-                )
-                if hbs:
-                    end = (first_hb + hbs) * k
-                    self.pool.touch(self._needed_keys(hashes, first, end))
-            start = first_hb + hbs
-            remote_hbs = self._remote_hits(state, first_hb, start, last_hb)
+            hbs, remote_hbs = self._hits(state, first, first_hb, last_hb)
             if self.drafter_tail_is_volatile and hbs + remote_hbs:
                 # An EAGLE-style drafter's KV at a block's last position was computed
                 # from the token after it, which the block's hash does not cover: the
-                # hit's last block is recomputed, as vLLM drops it from its own hits.
-                if remote_hbs:
-                    remote_hbs -= 1
-                else:
-                    hbs -= 1
+                # hit's last block is recomputed, as vLLM drops it from its own hits
+                # (looked up again: a window group needs the blocks before it).
+                end_hb = first_hb + hbs + remote_hbs - 1
+                hbs, remote_hbs = self._hits(state, first, first_hb, end_hb)
+            start = first_hb + hbs
             if hbs:
-                hits = (first_hb + hbs) * k - first
+                hits = start * k - first
             if remote_hbs:
                 state.remote_hit = (start, remote_hbs)
                 hits = (start + remote_hbs) * k - first
@@ -115,6 +100,29 @@ class LoadPlanning:
             )
         )
         return tokens
+
+    def _hits(
+        self, state: RequestState, first: int, first_hb: int, last_hb: int
+    ) -> tuple[int, int]:
+        """Host blocks from `first_hb` on, before `last_hb`, that host memory serves,
+        then those the shared store serves past them."""
+        if last_hb <= first_hb:
+            return 0, 0
+        hashes, k = state.request.block_hashes, self.blocks_per_host_block
+        if self._single_full_group:
+            hbs = self.pool.count_hits(self._keys(0, hashes, first_hb, last_hb))
+        else:
+            hbs = longest_hit(
+                self.groups,
+                self.block_size * k,
+                first_hb,
+                last_hb,
+                self._is_ready(hashes),
+            )
+            if hbs:
+                end = (first_hb + hbs) * k
+                self.pool.touch(self._needed_keys(hashes, first, end))
+        return hbs, self._remote_hits(state, first_hb, first_hb + hbs, last_hb)
 
     def load_is_async(self, request: Request) -> bool:
         """Whether the last lookup's hit loads across steps: it waits for blocks from
