@@ -40,7 +40,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -58,6 +58,7 @@ from tests.simulation.oracle import Oracle, head_of
 from tests.simulation.replicated import replicated_kv
 from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 from vllm_cpu_offload import lora_identity
+from vllm_cpu_offload.scheduler.drafter_layer import DrafterLayer
 from vllm_cpu_offload.scheduler.shared_tier import SharedTier
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,6 +165,10 @@ class World:
         # rank stores, all load) and one value per block in the store, named without
         # the rank (A2 may then run at TP=1: the namespace has no TP size).
         self.replicated = tp > 1 and (seed // 2) % 2 == 1
+        # Seeds 1, 4, 7, ... serve an EAGLE-style drafter's hits: they end a block
+        # before a prompt's end and drop their volatile last block (looked up again,
+        # in the pool and in the store), with every fault of the run.
+        self.drafter = seed % 3 == 1
         self.rng = random.Random(seed)
         self.step_no = 0
         self.name = f"sim-{seed}-{tp}-{id(self)}"
@@ -307,6 +312,15 @@ class World:
         # the same steps however fast the machine. (Replays are not yet identical on
         # busy cores: the store calls' timeouts still run on the wall clock.)
         tier = engine.tier
+        if self.drafter:
+            eagle = SimpleNamespace(
+                method="eagle",
+                draft_model_config=True,
+                use_eagle_block_drop=lambda: True,
+            )
+            DrafterLayer(
+                SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=eagle))
+            ).attach_scheduler(tier)
         tier.retention.clock = self.now
         namespace = ""  # nothing identifies the weights: the engine shares nothing
         if isinstance(tier.shared, SharedTier):

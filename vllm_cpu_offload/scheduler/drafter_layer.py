@@ -45,7 +45,10 @@ def drafter_tail_is_volatile(speculative_config: Any) -> bool:
 def describe_drafter(speculative_config: Any) -> str:
     """What the start-up line says of the drafter's KV."""
     method = speculative_config.method
-    if method == "ngram" or speculative_config.draft_model_config is None:
+    if (
+        method == "ngram"
+        or getattr(speculative_config, "draft_model_config", None) is None
+    ):
         return f"speculative decoding ({method}) adds no KV"
     volatile = drafter_tail_is_volatile(speculative_config)
     return f"the {method} drafter's KV is stored and loaded with the target's" + (
