@@ -15,6 +15,7 @@ from tests.unit.test_tier_scheduler import (  # noqa: E402
     Engine,
     _prefill,
     _request,
+    hold,
 )
 from vllm_cpu_offload.scheduler.drafter_layer import (  # noqa: E402
     DrafterLayer,
@@ -101,18 +102,10 @@ def test_an_eagle_drop_with_a_window_group_looks_for_the_shorter_hit_again() -> 
         vllm_config=SimpleNamespace(speculative_config=_speculative("eagle"))
     )
     DrafterLayer(spec).attach_scheduler(engine.tier)  # type: ignore[arg-type]
-    pool = engine.tier.pool
     request = _request("b", list(range(26)))
-    hashes = request.block_hashes
-
-    def hold(group: int, blocks: range) -> None:
-        keys = [(group, hashes[i]) for i in blocks]
-        parent = (group, hashes[blocks.start - 1]) if blocks.start else None
-        assert len(pool.allocate_for_store(keys, parent)) == len(keys)
-        pool.complete_store(keys, success=True)
-
-    hold(0, range(6))
-    hold(1, range(4, 6))
+    hold(engine, request, 0, range(6))
+    hold(engine, request, 1, range(4, 6))
     assert engine.tier.get_num_new_matched_tokens(request, 0) == 0
-    hold(1, range(2, 4))  # window blocks 2 and 3 too: 5 blocks are servable
+    # Window blocks 2 and 3 too: 5 blocks are servable.
+    hold(engine, request, 1, range(2, 4))
     assert engine.tier.get_num_new_matched_tokens(request, 0) == 5 * BS

@@ -119,6 +119,15 @@ def _prefill(engine: Engine, request: Request) -> OffloadStepMetadata:
     return meta
 
 
+def hold(engine: Engine, request: Request, group: int, blocks: range) -> None:
+    """Puts `request`'s `blocks` of KV cache group `group` in the pool, READY."""
+    pool, hashes = engine.tier.pool, request.block_hashes
+    keys = [(group, hashes[i]) for i in blocks]
+    parent = (group, hashes[blocks.start - 1]) if blocks.start else None
+    assert len(pool.allocate_for_store(keys, parent)) == len(keys)
+    pool.complete_store(keys, success=True)
+
+
 def _key(request: Request, i: int) -> Any:
     return (0, request.block_hashes[i])
 
@@ -436,23 +445,14 @@ def test_hybrid_hit_stops_where_the_window_group_lacks_a_block() -> None:
     # blocks 3 and 4, so the hit is 5 blocks. Without window block 4 either, only 4
     # blocks can be served.
     engine = Engine(host_blocks=16, sliding_window=8)
-    pool = engine.tier.pool
     request = _request("b", list(range(26)))
-    hashes = request.block_hashes
-
-    def hold(group: int, blocks: range) -> None:
-        keys = [(group, hashes[i]) for i in blocks]
-        parent = (group, hashes[blocks.start - 1]) if blocks.start else None
-        assert len(pool.allocate_for_store(keys, parent)) == len(keys)
-        pool.complete_store(keys, success=True)
-
-    hold(0, range(6))
-    hold(1, range(5))
+    hold(engine, request, 0, range(6))
+    hold(engine, request, 1, range(5))
     assert engine.tier.get_num_new_matched_tokens(request, 0) == 5 * BS
     other = _request("c", list(range(26)))
     engine.tier.pool.reset()
-    hold(0, range(6))
-    hold(1, range(4))
+    hold(engine, request, 0, range(6))
+    hold(engine, request, 1, range(4))
     assert engine.tier.get_num_new_matched_tokens(other, 0) == 4 * BS
 
 

@@ -67,14 +67,21 @@ class LoadPlanning:
         first_hb, last_hb = first // k, last // k
         hits, state.remote_hit = 0, None
         if last_hb > first_hb and not state.load_failed:
-            hbs, remote_hbs = self._hits(state, first, first_hb, last_hb)
+            hbs, remote_hbs = self._hits(state, first_hb, last_hb)
             if self.drafter_tail_is_volatile and hbs + remote_hbs:
                 # An EAGLE-style drafter's KV at a block's last position was computed
                 # from the token after it, which the block's hash does not cover: the
-                # hit's last block is recomputed, as vLLM drops it from its own hits
-                # (looked up again: a window group needs the blocks before it).
-                end_hb = first_hb + hbs + remote_hbs - 1
-                hbs, remote_hbs = self._hits(state, first, first_hb, end_hb)
+                # hit's last block is recomputed, as vLLM drops it from its own hits.
+                if self._single_full_group:  # one run: the same hit, a block shorter
+                    hbs, remote_hbs = (
+                        (hbs, remote_hbs - 1) if remote_hbs else (hbs - 1, 0)
+                    )
+                else:  # looked up again: a window group needs the blocks before it
+                    end_hb = first_hb + hbs + remote_hbs - 1
+                    hbs, remote_hbs = self._hits(state, first_hb, end_hb)
+            if hbs and not self._single_full_group:
+                end = (first_hb + hbs) * k
+                self.pool.touch(self._needed_keys(request.block_hashes, first, end))
             start = first_hb + hbs
             if hbs:
                 hits = start * k - first
@@ -102,10 +109,12 @@ class LoadPlanning:
         return tokens
 
     def _hits(
-        self, state: RequestState, first: int, first_hb: int, last_hb: int
+        self, state: RequestState, first_hb: int, last_hb: int
     ) -> tuple[int, int]:
         """Host blocks from `first_hb` on, before `last_hb`, that host memory serves,
-        then those the shared store serves past them."""
+        then those the shared store serves past them. With one full-attention group
+        the host hits count as a use (`count_hits`); with several the caller touches
+        the blocks of the hit it takes."""
         if last_hb <= first_hb:
             return 0, 0
         hashes, k = state.request.block_hashes, self.blocks_per_host_block
@@ -119,9 +128,6 @@ class LoadPlanning:
                 last_hb,
                 self._is_ready(hashes),
             )
-            if hbs:
-                end = (first_hb + hbs) * k
-                self.pool.touch(self._needed_keys(hashes, first, end))
         return hbs, self._remote_hits(state, first_hb, first_hb + hbs, last_hb)
 
     def load_is_async(self, request: Request) -> bool:
@@ -160,7 +166,9 @@ class LoadPlanning:
         and range, for every group's blocks the pool does not hold."""
         hashes, k = state.request.block_hashes, self.blocks_per_host_block
         asked = state.remote_held
-        if asked is None or asked[:2] != (first, end):
+        # A range within the one asked needs no new question (the EAGLE-style drop
+        # looks up a shorter hit).
+        if asked is None or asked[0] != first or end > asked[1]:
             keys = [
                 (group.group_id, hashes[hb * k + k - 1])
                 for hb in range(first, end)
