@@ -12,11 +12,14 @@ acceptance rate with and without the tier.
 Drafters: none and ngram (drafts from the prompt; random documents give it little to
 draft), the target as its own draft model, on the generated 4-layer model; none and
 EAGLE on the 1-layer target whose EAGLE head proposes its next token
-(`testing/tiny_eagle.py`). The speed-up with a drafter is compared with the speed-up
+(`testing/tiny_eagle.py`); none and MTP on the 1-layer MiMo-style model whose MTP layer
+does (`testing/tiny_mtp.py`; one speculative token, all MiMo's MTP predicts). The
+speed-up with a drafter is compared with the speed-up
 without one on the same target.
 
     python benchmarks/speculative_decoding.py                # N = 16, 2 pairs
     python benchmarks/speculative_decoding.py --docs 8 --pairs 1
+    python benchmarks/speculative_decoding.py --cases mtp/none mtp/mtp
 """
 
 from __future__ import annotations
@@ -38,20 +41,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BLOCK_SIZE = 32
 # (target, drafter): "tiny" is the 4-layer generated model, "eagle" the 1-layer target
-# of testing/tiny_eagle.py.
+# of testing/tiny_eagle.py, "mtp" the model of testing/tiny_mtp.py.
 CASES = [
     ("tiny", "none"),
     ("tiny", "ngram"),
     ("tiny", "draft_model"),
     ("eagle", "none"),
     ("eagle", "eagle"),
+    ("mtp", "none"),
+    ("mtp", "mtp"),
 ]
 
 
 def _models(target: str) -> tuple[str, str | None]:
     from vllm_cpu_offload.testing.tiny_eagle import ensure_eagle_pair
     from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
+    from vllm_cpu_offload.testing.tiny_mtp import ensure_mtp_model
 
+    if target == "mtp":
+        return str(ensure_mtp_model()), None  # its MTP layer is in its checkpoint
     if target == "eagle":
         model, head = ensure_eagle_pair()
         return str(model), str(head)
@@ -82,6 +90,8 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
         }
         if args.drafter == "ngram":
             speculative |= {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        elif args.drafter == "mtp":
+            speculative["num_speculative_tokens"] = 1
         else:
             speculative["model"] = head or model
         kwargs["speculative_config"] = speculative
@@ -155,6 +165,12 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=[f"{t}/{d}" for t, d in CASES],
+        help="target/drafter pairs to run (default: all)",
+    )
     parser.add_argument("--out", default="benchmarks/results/speculative_decoding.json")
     parser.add_argument("--run-arm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
@@ -165,7 +181,8 @@ def main() -> None:
         print("RESULT " + json.dumps(run_arm(args)))
         return
     results: dict[str, dict[str, list[Any]]] = {}
-    for target, drafter in CASES:
+    for case in args.cases:
+        target, drafter = case.split("/")
         runs: dict[str, list[Any]] = {"off": [], "on": []}
         for pair in range(args.pairs):
             for tier in ("off", "on") if pair % 2 == 0 else ("on", "off"):

@@ -78,6 +78,7 @@ class OffloadSpec:
         # Also where a kv_transfer_config names the connector without the flags.
         check_context_parallelism(*context_parallel_sizes(vllm_config))
         self.block_size = vllm_config.cache_config.block_size
+        self.kv_cache_config = kv_cache_config
         self.kv_groups = kv_groups_of(kv_cache_config, self.block_size)
         # A host block holds k device blocks; the worker's host buffer has k slots
         # for each.

@@ -87,7 +87,7 @@ def _continuations(llm: Any, params: Any) -> Measured:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("method", choices=["ngram", "draft_model", "eagle"])
+    parser.add_argument("method", choices=["ngram", "draft_model", "eagle", "mtp"])
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--device-blocks", type=int, required=True)
     parser.add_argument("--scenario", default="rereads")
@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--swap-space-path")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--swap-space-remote")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     from vllm import SamplingParams
 
@@ -106,6 +107,11 @@ def main() -> None:
         speculative |= {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
     elif args.method == "draft_model":
         speculative |= {"model": model}
+    elif args.method == "mtp":
+        from vllm_cpu_offload.testing.tiny_mtp import ensure_mtp_model
+
+        model = str(ensure_mtp_model())
+        speculative["num_speculative_tokens"] = 1  # MiMo's MTP predicts one
     else:
         from vllm_cpu_offload.testing.tiny_eagle import ensure_eagle_pair
 
@@ -125,6 +131,7 @@ def main() -> None:
         num_gpu_blocks_override=args.device_blocks,
         speculative_config=speculative,
         disable_log_stats=False,
+        dtype=args.dtype,
         **host,
     )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

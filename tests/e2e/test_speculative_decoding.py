@@ -5,11 +5,24 @@ and the same acceptance rate as re-reads from a device cache that holds everythi
 
 The drafters agree with the target when their inputs are right (ngram drafts from the
 documents' own repeats; the target is its own draft model; the EAGLE head of
-`testing/tiny_eagle.py` reproduces its target), so a wrong or missing drafter KV, or a
+`testing/tiny_eagle.py` and the MTP layer of `testing/tiny_mtp.py` reproduce their
+target), so a wrong or missing drafter KV, or a
 first step vLLM's proposers do not expect, shows as lost acceptance. The documents end
 on a block boundary, where a host hit could reach the prompt's last token and vLLM's
 own hit stops a block earlier (there, without the drafter layer, ngram's acceptance
 fell from 0.47 to 0.37 and the draft model's from 1.00 to 0.86).
+
+The ways offloading breaks speculative decoding, and the test that meets each here:
+- the drafter's KV stored but never served, or every hit recomputed when a drafter is
+  set: each re-read test requires host (or store) hits on all but at most one document,
+  and only the blocks vLLM's own hit leaves;
+- the drafter's KV not restored with the target's (acceptance falls after a tier hit):
+  every test compares acceptance with the device cache's, within 0.01, on host memory,
+  the file tier after a restart and the shared store;
+- the volatile last block of an EAGLE-style hit served: the continuation test;
+- MTP with a tier failing to start or to step: the MTP cases, on every tier.
+A drafter with a KV cache group of its own, under faults, is the fault simulation's
+(seeds 1, 4, 7, ...).
 """
 
 from __future__ import annotations
@@ -27,7 +40,12 @@ from tests.e2e.speculative_run import DOCS, REPEATS, TRIALS, WORDS
 
 pytestmark = pytest.mark.e2e
 
-METHODS = ["ngram", "draft_model", "eagle"]
+METHODS = ["ngram", "draft_model", "eagle", "mtp"]
+# The drafters that add KV; ngram's hits end as on the host tier, tested there.
+KV_METHODS = ["draft_model", "eagle", "mtp"]
+# Drafters that compute their KV from the target's hidden states (vLLM's
+# `use_eagle`): the last block of a hit is recomputed.
+EAGLE_STYLE = ("eagle", "mtp")
 
 
 def _run(model: str, method: str, *args: str) -> Any:
@@ -42,9 +60,9 @@ def _run(model: str, method: str, *args: str) -> Any:
 
 
 @functools.cache
-def _reference(model: str, method: str) -> Any:
+def _reference(model: str, method: str, dtype: str = "float32") -> Any:
     """Re-reads on an engine whose device cache holds every document."""
-    return _run(model, method, "--device-blocks", "200")
+    return _run(model, method, "--device-blocks", "200", "--dtype", dtype)
 
 
 def _assert_same_rereads(tier: Any, reference: Any, min_host_hit_docs: int) -> None:
@@ -66,7 +84,7 @@ def test_rereads_from_host_memory_keep_the_acceptance_rate(
     reference = _reference(tiny_model, method)
     # vLLM's hit leaves each document's last block, and for EAGLE one more (the
     # drafter's KV at its last position depends on the token after it).
-    kept = WORDS * REPEATS // BLOCK_SIZE - (2 if method == "eagle" else 1)
+    kept = WORDS * REPEATS // BLOCK_SIZE - (2 if method in EAGLE_STYLE else 1)
     assert reference["cached"] == [kept * BLOCK_SIZE] * DOCS
     if method != "ngram":
         assert reference["acceptance"] == 1.0  # so lost drafter KV would show
@@ -74,8 +92,21 @@ def test_rereads_from_host_memory_keep_the_acceptance_rate(
     _assert_same_rereads(tier, reference, min_host_hit_docs=DOCS - 1)
 
 
-# ngram adds no KV: its hits end as on the host tier, tested above.
-@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+@pytest.mark.parametrize("method", EAGLE_STYLE)
+def test_bf16_rereads_from_host_memory_keep_the_acceptance_rate(
+    tiny_model: str, method: str
+) -> None:
+    # bf16 is what EAGLE and MTP drafters serve in; a block's KV travels bit for bit,
+    # so tokens and acceptance equal the device cache's (below 1.0 here: bf16
+    # rounding makes the drafter and the target differ now and then).
+    reference = _reference(tiny_model, method, "bfloat16")
+    tier = _run(
+        tiny_model, method, "--offload", "--device-blocks", "24", "--dtype", "bfloat16"
+    )
+    _assert_same_rereads(tier, reference, min_host_hit_docs=DOCS - 1)
+
+
+@pytest.mark.parametrize("method", KV_METHODS)
 def test_rereads_from_the_file_tier_after_a_restart_keep_the_acceptance_rate(
     tiny_model: str, method: str, tmp_path: Path
 ) -> None:
@@ -88,8 +119,7 @@ def test_rereads_from_the_file_tier_after_a_restart_keep_the_acceptance_rate(
     _assert_same_rereads(restarted, _reference(tiny_model, method), DOCS)
 
 
-# ngram adds no KV: its hits end as on the host tier, tested above.
-@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+@pytest.mark.parametrize("method", KV_METHODS)
 def test_rereads_from_the_shared_tier_on_another_engine_keep_the_acceptance_rate(
     tiny_model: str, method: str, redis_url: str
 ) -> None:

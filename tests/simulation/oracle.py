@@ -5,6 +5,13 @@ Equal prefixes give equal values on one engine and head (as real KV does, whatev
 `cache_salt` and the TP size), so a block reached through any path, written by an engine
 of any TP size, can be checked; another prefix, head or engine gives another value.
 Values fit in 24 bits, exact in float32.
+
+A drafter's KV cache group (EAGLE-style: its KV at a position is computed from the
+target's state there and the token after it) holds, at position p, a value derived from
+the prefix through p + 1: at a block's last position it depends on the next block's
+first token, which the block's hash does not cover. A cached block (vLLM's, or a host
+block, keyed by that hash) holds the value of whichever continuation computed it first,
+so there the check is that the slot holds this block's value for some next token.
 """
 
 from __future__ import annotations
@@ -17,6 +24,13 @@ import torch
 from vllm_cpu_offload.remote import value_format
 
 _MASK = (1 << 24) - 1
+_DRAFTER_MIX = 0x3C3C3C
+
+
+def next_token(values: Sequence[int], end: int) -> int:
+    """The token sampled after the prefix of `end` tokens whose prefix values are
+    `values`: the world's model is deterministic."""
+    return values[end - 1] % 4999 + 1
 
 
 def head_of(name: str) -> int:
@@ -34,10 +48,17 @@ class Oracle:
     """The prefix values of every request the world made, and of every block hash
     those requests named, per engine namespace."""
 
-    def __init__(self, block_size: int, kv_entries_per_slot: int) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        kv_entries_per_slot: dict[int, int],
+        drafter_groups: frozenset[int] = frozenset(),
+    ) -> None:
         self.block_size = block_size
-        # Slots of one block position in a host block: layers x (K, V).
+        # Per KV cache group, the slots of one block position in a host block: the
+        # group's layers x (K, V).
         self.kv_entries_per_slot = kv_entries_per_slot
+        self.drafter_groups = drafter_groups
         self._prefix: dict[str, list[int]] = {}  # request id -> value per position
         self._blocks: dict[str, list[int]] = {}  # block hash (hex) -> its values
         self._salts: dict[str, int] = {}  # namespace -> engine salt
@@ -69,6 +90,15 @@ class Oracle:
         mix = engine_salt ^ (rank * 0x9E3779)
         return ((cached[: len(tokens)] ^ mix) & _MASK).to(torch.float32)
 
+    def drafter_slot_values(
+        self, req_id: str, tokens: Sequence[int], engine_salt: int, rank: int
+    ) -> torch.Tensor:
+        """A drafter group's value at each position of `tokens` but the last: from the
+        prefix through the token after it (`tokens` ends with the token after the
+        positions asked for; pass only tokens the request has or will sample)."""
+        after = self.slot_values(req_id, tokens, engine_salt, rank)[1:]
+        return ((after.to(torch.int64) ^ _DRAFTER_MIX) & _MASK).to(torch.float32)
+
     def set_adapter(self, req_id: str, adapter: int) -> None:
         """The request's KV is computed with LoRA adapter files `adapter` (> 0): other
         values than the model's alone, and than another adapter's."""
@@ -96,20 +126,54 @@ class Oracle:
         self._tensors.pop(req_id, None)
         self._adapters.pop(req_id, None)
 
+    @staticmethod
+    def is_drafter_tail(
+        got: torch.Tensor, prefix: torch.Tensor, engine_salt: int, ranks: torch.Tensor
+    ) -> torch.Tensor:
+        """Per row, whether `got` ([n, heads]) holds a drafter value at a position of
+        prefix value `prefix` ([n]) with some next token, for each head of `ranks`."""
+        mix = (engine_salt ^ (ranks * 0x9E3779)) ^ _DRAFTER_MIX
+        unmixed = (got.to(torch.int64) ^ mix) & _MASK
+        # The next prefix value is prefix * 1000003 + token + 1 (mod 2^31): its low
+        # 24 bits less those of prefix * 1000003 + 1 are the token.
+        start = (prefix * 1000003 + 1) & _MASK
+        token = (unmixed - start[:, None]) & _MASK
+        return ((token >= 1) & (token < 5000)).all(dim=1)
+
     def check_value(self, key: str, value: bytes) -> str | None:
         """Whether a store value holds what its shard key stands for: every slot's K
-        and V in every layer (a whole block of one head, or of a replicated stage)."""
-        namespace, _group, block_hex, shard = key.split("/")
+        and V in every layer of its group (a whole block of one head, or of a
+        replicated stage). A drafter group's last slot depends on a token after the
+        block: any one value there."""
+        namespace, group_name, block_hex, shard = key.split("/")
+        group = int(group_name)
         salt = self._salts.get(namespace)
         base = self._blocks.get(block_hex)
         if salt is None or base is None:
             return "a key the world never made"
         payload = memoryview(value)[value_format.HEADER_BYTES :].cast("f")
         head = head_of(shard)
+        entries = self.kv_entries_per_slot[group]
+        if group in self.drafter_groups:
+            base = [b ^ _DRAFTER_MIX for b in base[1:]]
         expected = Counter(float(self.slot_value(b, salt, head)) for b in base)
-        got = Counter(payload.tolist())
         for v in expected:
-            expected[v] *= self.kv_entries_per_slot
-        if got != expected:
+            expected[v] *= entries
+        rest = Counter(payload.tolist())
+        rest.subtract(expected)
+        if any(n < 0 for n in rest.values()):
             return "its bytes are another block's"
+        left = +rest
+        if group not in self.drafter_groups and left:
+            return "its bytes are another block's"
+        if group in self.drafter_groups:
+            (tail, count), *more = left.items() or [(0.0, 0)]
+            ok = self.is_drafter_tail(
+                torch.tensor([[tail]]),
+                torch.tensor([self._blocks[block_hex][-1]]),
+                salt,
+                torch.tensor([head]),
+            )
+            if more or count != entries or not bool(ok):
+                return "its drafter slots are another block's"
         return None

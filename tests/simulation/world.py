@@ -20,13 +20,21 @@ by two ranks at TP=4. A slot of KV head g holds the oracle's value for head g (f
 replicated, MLA-style KV, every rank holds head 0's values), so a block joined from the
 wrong heads is a wrong value.
 
+On seeds 1, 4, 7, ... the engines run an EAGLE-style drafter whose two layers form a
+KV cache group of their own, marked as vLLM marks a drafter's group (its device hits
+drop their last block), beside the model's group: each group's blocks are looked up,
+loaded, stored, written to the store and joined across TP sizes apart. A drafter slot
+holds a value of the prefix through the next token (`oracle.py`); a block's last slot,
+which its hash does not cover, must hold this block's value for some next token.
+
 After every step the world checks: no slot read as computed holds a wrong value unless
 vLLM was told to recompute its block; no store value holds another block's bytes; no
 store call names unregistered memory, nor is memory unregistered under one; no host
 block is rewritten while a store call uses it; vLLM's scheduler raised nothing; the
 pool's invariants hold; no request finished twice. At quiescence (faults off, every
 late call and copy run, requests done): no pins, jobs, held writes, worker bookkeeping
-or store calls left, and every request finished exactly once.
+or store calls left, and every request finished exactly once; with a drafter group,
+some of its blocks loaded where the model's were.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from tests.simulation.identities import (
 )
 from tests.simulation.late_copies import CopyFaults, LateCopies
 from tests.simulation.mooncake_client import SimMooncakeStore
-from tests.simulation.oracle import Oracle, head_of
+from tests.simulation.oracle import Oracle, head_of, next_token
 from tests.simulation.replicated import replicated_kv
 from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 from vllm_cpu_offload import lora_identity
@@ -66,6 +74,10 @@ BLOCK_SIZE = 16
 DEVICE_BLOCKS = 40
 HOST_BLOCKS = 48
 LAYERS = ("l0", "l1")
+# An EAGLE-style drafter's layers (an MTP drafter of two layers), in a KV cache group
+# of their own (group 1). As vLLM lays groups out, layer i of each group shares one
+# tensor: a device block id belongs to one group.
+DRAFTER_LAYERS = ("d0", "d1")
 SLOT_BYTES = 2 * 4  # K and V of one head of size 1, float32
 PAGE_BYTES = BLOCK_SIZE * SLOT_BYTES  # one KV head of one layer of a block
 TP_SIZES = (1, 2, 4)  # what A2 picks its own TP size from
@@ -165,14 +177,20 @@ class World:
         # rank stores, all load) and one value per block in the store, named without
         # the rank (A2 may then run at TP=1: the namespace has no TP size).
         self.replicated = tp > 1 and (seed // 2) % 2 == 1
-        # Seeds 1, 4, 7, ... serve an EAGLE-style drafter's hits: they end a block
-        # before a prompt's end and drop their volatile last block (looked up again,
-        # in the pool and in the store), with every fault of the run.
+        # Seeds 1, 4, 7, ... run an EAGLE-style drafter with a KV cache group of its
+        # own, whose KV at a block's last position depends on the next block's first
+        # token (`oracle.py`); hits end a block before a prompt's end and drop their
+        # volatile last block (looked up again, in the pool and in the store), as
+        # vLLM's own prefix cache drops it, under every fault of the run.
         self.drafter = seed % 3 == 1
+        self.layers = LAYERS + DRAFTER_LAYERS if self.drafter else LAYERS
         self.rng = random.Random(seed)
         self.step_no = 0
         self.name = f"sim-{seed}-{tp}-{id(self)}"
-        self.oracle = Oracle(BLOCK_SIZE, kv_entries_per_slot=2 * len(LAYERS))
+        entries = {0: 2 * len(LAYERS), 1: 2 * len(DRAFTER_LAYERS)}
+        self.oracle = Oracle(
+            BLOCK_SIZE, entries, frozenset({1} if self.drafter else ())
+        )
         self.backend = SimBackend(seed, StoreFaults(), self.oracle.check_value)
         BACKENDS[self.name] = self.backend
         self._next_request = 0
@@ -229,6 +247,7 @@ class World:
             FullAttentionSpec,
             KVCacheConfig,
             KVCacheGroupSpec,
+            KVCacheTensor,
         )
 
         import vllm_cpu_offload.remote.layer as shared_tier_layer
@@ -272,10 +291,25 @@ class World:
             head_size=1,
             dtype=torch.float32,
         )
+        groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+        tensors = []
+        if self.drafter:
+            # vLLM drops the last block of the drafter group's device hits.
+            groups.append(
+                KVCacheGroupSpec(list(DRAFTER_LAYERS), spec, is_eagle_group=True)
+            )
+            page = spec.page_size_bytes
+            tensors = [
+                KVCacheTensor(
+                    size=DEVICE_BLOCKS * page,
+                    layers=[t, d],
+                    layer_stride=0,  # both layers view the same bytes
+                    block_stride=page,
+                )
+                for t, d in zip(LAYERS, DRAFTER_LAYERS, strict=True)
+            ]
         kv_config = KVCacheConfig(
-            num_blocks=DEVICE_BLOCKS,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+            num_blocks=DEVICE_BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups
         )
         ranks = []
         for r in range(tp):
@@ -292,6 +326,8 @@ class World:
                 n: torch.full((DEVICE_BLOCKS, local_heads, BLOCK_SIZE, 2), -1.0)
                 for n in LAYERS
             }
+            if self.drafter:
+                kv |= dict(zip(DRAFTER_LAYERS, kv.values(), strict=True))
             worker.register_kv_caches(kv)
             faults = CopyFaults()
             copies = LateCopies(
@@ -319,7 +355,10 @@ class World:
                 use_eagle_block_drop=lambda: True,
             )
             DrafterLayer(
-                SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=eagle))
+                SimpleNamespace(
+                    vllm_config=SimpleNamespace(speculative_config=eagle),
+                    kv_cache_config=kv_config,
+                )
             ).attach_scheduler(tier)
         tier.retention.clock = self.now
         namespace = ""  # nothing identifies the weights: the engine shares nothing
@@ -415,7 +454,7 @@ class World:
         for r, rank in enumerate(engine.ranks):
             rank.faults.fail_loads = r in failing and rng.random() < 0.5
             rank.faults.fail_stores = r in failing and not rank.faults.fail_loads
-            rank.faults.at_layer = rng.randrange(len(LAYERS))
+            rank.faults.at_layer = rng.randrange(len(self.layers))
 
     @staticmethod
     def _evict_free_device_blocks(engine: Engine) -> None:
@@ -575,10 +614,10 @@ class World:
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
-            for layer in LAYERS:
+            for layer in self.layers:
                 w.wait_for_layer_load(layer)
             wrong.append(self._forward(engine, r, out.num_scheduled_tokens))
-            for layer in LAYERS:
+            for layer in self.layers:
                 w.save_kv_layer(layer, rank.kv[layer], None)
             w.wait_for_save()
         self._settle(engine)
@@ -587,14 +626,17 @@ class World:
         invalid: set[int] = set()
         for rank in engine.ranks:
             w = rank.connector
-            sending, recving = w.get_finished(set(out.finished_req_ids))
+            # As vLLM's model runner asks: a failed load of several KV cache groups
+            # comes back as a whole request in `failed_recving`.
+            results = w.get_transfer_results(set(out.finished_req_ids))
             errors = w.get_block_ids_with_load_errors()
             invalid |= errors
             report = w.build_connector_worker_meta()
             w.clear_connector_metadata()
             kv_output = KVConnectorOutput(
-                finished_sending=sending,
-                finished_recving=recving,
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
                 invalid_block_ids=errors,
                 kv_connector_worker_meta=report,
             )
@@ -646,7 +688,7 @@ class World:
                 sampled[req_id] = []
                 continue
             values = self.oracle.prefix_values(req_id, tokens[:end])
-            token = values[end - 1] % 4999 + 1
+            token = next_token(values, end)
             if end == len(tokens):
                 tokens.append(token)
             sampled[req_id] = [token]
@@ -671,46 +713,107 @@ class World:
         """Checks every slot the step reads as computed; writes the computed ones.
         Returns the device blocks whose slots were wrong."""
         manager = engine.scheduler.kv_cache_manager
-        read: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        written: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        heads = engine.ranks[r].heads
+        # Per group: (blocks, offsets, values) read and written by each request.
+        read: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self._groups]
+        written: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self._groups]
         for req_id, count in scheduled.items():
             request = engine.scheduler.requests[req_id]
-            (block_ids,) = manager.get_block_ids(req_id)
             done = request.num_computed_tokens - count
             end = done + count
             tokens = self._tokens(engine, request)
-            # [end, local heads]: each head's values (replicated KV: head 0's).
-            want = torch.stack(
-                [
-                    self.oracle.slot_values(req_id, tokens[:end], engine.salt, head)
-                    for head in engine.ranks[r].heads
-                ],
-                dim=1,
-            )
             pos = torch.arange(end)
-            blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // BLOCK_SIZE]
             offsets = pos % BLOCK_SIZE
-            read.append((blocks[:done], offsets[:done], want[:done]))
-            written.append((blocks[done:], offsets[done:], want[done:]))
-        if not read:
-            return set()
-        # One scatter and one gather per layer for the whole batch (the per-request
-        # indexing was most of a run's time). Writes go first, as a real layer writes
-        # the step's KV before its attention reads: a request may read blocks that
-        # another one computes in the same step (vLLM caches them at scheduling).
-        read_blocks, read_offsets, read_want = (
+            # A drafter block's last slot: any continuation's value (`oracle.py`).
+            tail = offsets[:done] == BLOCK_SIZE - 1
+            prefix = torch.tensor(
+                self.oracle.prefix_values(req_id, tokens[:done])[:done],
+                dtype=torch.int64,
+            )
+            for group, block_ids in enumerate(manager.get_block_ids(req_id)):
+                want = self._group_values(engine, req_id, tokens, end, group, heads)
+                blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // BLOCK_SIZE]
+                loose = tail if group == 1 else torch.zeros_like(tail)
+                read[group].append(
+                    (blocks[:done], offsets[:done], want[:done], loose, prefix)
+                )
+                written[group].append((blocks[done:], offsets[done:], want[done:]))
+        wrong: set[int] = set()
+        ranks = torch.tensor(heads, dtype=torch.int64)
+        for group, layers in enumerate(self._groups):
+            if read[group]:
+                wrong |= self._write_and_check(
+                    engine.ranks[r],
+                    (engine.salt, ranks),
+                    layers,
+                    read[group],
+                    written[group],
+                )
+        return wrong
+
+    @property
+    def _groups(self) -> tuple[tuple[str, ...], ...]:
+        """The layers of each KV cache group."""
+        return (LAYERS, DRAFTER_LAYERS) if self.drafter else (LAYERS,)
+
+    def _group_values(
+        self,
+        engine: Engine,
+        req_id: str,
+        tokens: list[int],
+        end: int,
+        group: int,
+        heads: tuple[int, ...],
+    ) -> torch.Tensor:
+        """[end, local heads]: what each position holds in `group` for each head
+        (replicated KV: head 0's). A drafter's value at the last position depends on
+        the token after it: the prompt's next token, or the one this step samples."""
+        if group == 0:
+            prefix = tokens[:end]
+            values = self.oracle.slot_values
+        else:
+            prefix = tokens[: end + 1]
+            if len(prefix) == end:
+                prefix = [
+                    *prefix,
+                    next_token(self.oracle.prefix_values(req_id, prefix), end),
+                ]
+            values = self.oracle.drafter_slot_values
+        return torch.stack(
+            [values(req_id, prefix, engine.salt, head) for head in heads], dim=1
+        )
+
+    def _write_and_check(
+        self,
+        rank: _Rank,
+        salt_and_heads: tuple[int, torch.Tensor],
+        layers: tuple[str, ...],
+        read: list[tuple[torch.Tensor, ...]],
+        written: list[tuple[torch.Tensor, ...]],
+    ) -> set[int]:
+        """One scatter and one gather per layer for the whole batch (the per-request
+        indexing was most of a run's time). Writes go first, as a real layer writes
+        the step's KV before its attention reads: a request may read blocks that
+        another one computes in the same step (vLLM caches them at scheduling).
+        Slots marked loose hold a drafter value for some next token."""
+        read_blocks, read_offsets, read_want, loose, prefix = (
             torch.cat(t) for t in zip(*read, strict=True)
         )
         write_blocks, write_offsets, write_want = (
             torch.cat(t) for t in zip(*written, strict=True)
         )
         wrong: set[int] = set()
-        for layer in LAYERS:
-            kv = engine.ranks[r].kv[layer]
+        for layer in layers:
+            kv = rank.kv[layer]
             # Indexed by (blocks, offsets) around the heads' slice: [n, heads, 2].
             kv[write_blocks, :, write_offsets] = write_want[:, :, None]
             got = kv[read_blocks, :, read_offsets]
             bad = (got != read_want[:, :, None]).flatten(1).any(dim=1)
+            if loose.any():
+                tail_ok = self.oracle.is_drafter_tail(
+                    got[loose, :, 0], prefix[loose], *salt_and_heads
+                ) & (got[loose, :, 0] == got[loose, :, 1]).all(dim=1)
+                bad[loose] = ~tail_ok
             wrong.update(read_blocks[bad].tolist())
         return wrong
 
@@ -828,6 +931,15 @@ class World:
         # Once every retain ends, nothing pins a block.
         tier.retention.release_all()
         left["pinned once retains end"] = tier.pool.num_pinned
+        if self.drafter:
+            # A drafter group stored but never loaded (every hit then recomputed)
+            # shows here; a load that skipped it shows as wrong drafter slots. The
+            # counts may differ: the pool evicts each group's blocks apart, and a
+            # load of several groups that misses one fails whole.
+            loaded = tier.stats.loaded_by_group
+            left["model blocks loaded, no drafter block"] = (
+                loaded[0] > 0 and loaded[1] == 0
+            )
         leaks = {k: v for k, v in left.items() if v}
         if leaks:
             raise Violation(f"{where}: left behind {leaks}")

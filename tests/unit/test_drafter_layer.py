@@ -20,6 +20,7 @@ from tests.unit.test_tier_scheduler import (  # noqa: E402
 from vllm_cpu_offload.scheduler.drafter_layer import (  # noqa: E402
     DrafterLayer,
     describe_drafter,
+    drafter_group_ids,
     drafter_tail_is_volatile,
 )
 
@@ -33,11 +34,23 @@ def _speculative(method: str, *, drop: bool = True, draft: bool = True) -> Any:
     )
 
 
-def _with_drafter(speculative: Any) -> Engine:
-    engine = Engine()
-    spec = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=speculative))
+def _kv_cache_config(*eagle_groups: bool) -> Any:
+    groups = [SimpleNamespace(is_eagle_group=marked) for marked in eagle_groups]
+    return SimpleNamespace(kv_cache_groups=groups)
+
+
+def _attach(engine: Engine, speculative: Any) -> None:
+    spec = SimpleNamespace(
+        vllm_config=SimpleNamespace(speculative_config=speculative),
+        kv_cache_config=_kv_cache_config(False),
+    )
     assert DrafterLayer.wanted(spec)  # type: ignore[arg-type]
     DrafterLayer(spec).attach_scheduler(engine.tier)  # type: ignore[arg-type]
+
+
+def _with_drafter(speculative: Any) -> Engine:
+    engine = Engine()
+    _attach(engine, speculative)
     return engine
 
 
@@ -83,11 +96,22 @@ def test_an_eagle_style_drafters_last_block_of_a_hit_is_recomputed(method: str) 
     assert engine.tier.get_num_new_matched_tokens(other, 0) == 3 * BS
 
 
-def test_the_start_up_line_says_what_the_drafter_stores() -> None:
-    assert "adds no KV" in describe_drafter(_speculative("ngram", draft=False))
-    assert describe_drafter(_speculative("draft_model")).endswith("with the target's")
-    assert "last block is recomputed" in describe_drafter(_speculative("eagle3"))
-    assert not drafter_tail_is_volatile(_speculative("draft_model"))
+def test_the_start_up_line_says_what_the_drafter_stores_and_where() -> None:
+    ngram = _speculative("ngram", draft=False)
+    assert drafter_group_ids(ngram, _kv_cache_config(False)) == []
+    assert "adds no KV" in describe_drafter(ngram, [])
+    draft = _speculative("draft_model")
+    # Unmarked groups: the drafter's layers share the target's.
+    assert drafter_group_ids(draft, _kv_cache_config(False, False)) == [0, 1]
+    line = describe_drafter(draft, [0, 1])
+    assert "(KV cache groups 0, 1)" in line and line.endswith("with the target's")
+    eagle = _speculative("eagle3")
+    # A group vLLM marks as the drafter's: its per-group counters count the
+    # drafter's blocks stored and loaded.
+    assert drafter_group_ids(eagle, _kv_cache_config(False, True)) == [1]
+    line = describe_drafter(eagle, [1])
+    assert "(KV cache group 1)" in line and "last block is recomputed" in line
+    assert not drafter_tail_is_volatile(draft)
     assert drafter_tail_is_volatile(_speculative("mtp"))
 
 
@@ -98,10 +122,7 @@ def test_an_eagle_drop_with_a_window_group_looks_for_the_shorter_hit_again() -> 
     # block 3, which the tier lacks. Looked up again, the hit is the longest one
     # every group serves that ends earlier: none here, not a load bound to miss.
     engine = Engine(host_blocks=16, sliding_window=8)
-    spec = SimpleNamespace(
-        vllm_config=SimpleNamespace(speculative_config=_speculative("eagle"))
-    )
-    DrafterLayer(spec).attach_scheduler(engine.tier)  # type: ignore[arg-type]
+    _attach(engine, _speculative("eagle"))
     request = _request("b", list(range(26)))
     hold(engine, request, 0, range(6))
     hold(engine, request, 1, range(4, 6))

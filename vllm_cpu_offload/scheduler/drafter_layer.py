@@ -16,6 +16,11 @@ things differ from a tier without a drafter, both in how far a host hit reaches:
 
 Without this layer the tokens are the same (the target verifies every draft); only the
 acceptance rate can fall.
+
+The start-up line names the KV cache groups that hold the drafter's KV, whose blocks
+the per-group counters (`vllm:cpu_offload_group_stored_blocks_total` and
+`..._loaded_blocks_total`, label `kv_cache_group`) count: a drafter group stored but
+never loaded shows there.
 """
 
 from __future__ import annotations
@@ -42,17 +47,35 @@ def drafter_tail_is_volatile(speculative_config: Any) -> bool:
     return bool(speculative_config.use_eagle())
 
 
-def describe_drafter(speculative_config: Any) -> str:
-    """What the start-up line says of the drafter's KV."""
+def drafter_adds_kv(speculative_config: Any) -> bool:
+    """Whether the drafter has KV of its own (a model, not n-gram lookup)."""
+    return speculative_config.method != "ngram" and (
+        getattr(speculative_config, "draft_model_config", None) is not None
+    )
+
+
+def drafter_group_ids(speculative_config: Any, kv_cache_config: Any) -> list[int]:
+    """The KV cache groups that hold the drafter's KV: those vLLM marks as an EAGLE or
+    MTP drafter's (`is_eagle_group`), else every group (a draft model's layers, and
+    a drafter vLLM does not mark, share the target's groups); none without KV."""
+    if not drafter_adds_kv(speculative_config):
+        return []
+    groups = kv_cache_config.kv_cache_groups
+    marked = [i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)]
+    return marked or list(range(len(groups)))
+
+
+def describe_drafter(speculative_config: Any, group_ids: list[int]) -> str:
+    """What the start-up line says of the drafter's KV, in KV cache `group_ids`."""
     method = speculative_config.method
-    if (
-        method == "ngram"
-        or getattr(speculative_config, "draft_model_config", None) is None
-    ):
+    if not group_ids:
         return f"speculative decoding ({method}) adds no KV"
     volatile = drafter_tail_is_volatile(speculative_config)
-    return f"the {method} drafter's KV is stored and loaded with the target's" + (
-        "; each hit's last block is recomputed" if volatile else ""
+    where = "group" if len(group_ids) == 1 else "groups"
+    where += " " + ", ".join(map(str, group_ids))
+    return (
+        f"the {method} drafter's KV (KV cache {where}) is stored and loaded with "
+        "the target's" + ("; each hit's last block is recomputed" if volatile else "")
     )
 
 
@@ -67,7 +90,8 @@ class DrafterLayer(TierLayer):
         speculative = self.spec.vllm_config.speculative_config
         scheduler.hit_to_last_token = False
         scheduler.drafter_tail_is_volatile = drafter_tail_is_volatile(speculative)
-        logger.info("CPU offload: %s", describe_drafter(speculative))
+        groups = drafter_group_ids(speculative, self.spec.kv_cache_config)
+        logger.info("CPU offload: %s", describe_drafter(speculative, groups))
 
 
 layer = DrafterLayer

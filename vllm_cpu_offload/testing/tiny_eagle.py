@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from vllm_cpu_offload.testing.tiny_model import (
     TinyLlamaShape,
@@ -41,18 +42,27 @@ def ensure_eagle_pair(root: Path | None = None) -> tuple[Path, Path]:
     return target, head
 
 
-def _write_target(base: Path, folder: Path) -> None:
-    from safetensors.torch import load_file, save_file
+def normalized_target(base: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config and fp32 weights of `base` with embeddings of unit RMS and a norm
+    epsilon of 1e-12, so that an RMS norm of an embedding changes nothing."""
+    from safetensors.torch import load_file
 
     config = json.loads((base / "config.json").read_text())
     config |= {"rms_norm_eps": 1e-12, "torch_dtype": "float32"}
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
     weights = {
         name: t.float()
         for name, t in load_file(str(base / "model.safetensors")).items()
     }
     embed = weights["model.embed_tokens.weight"]
     weights["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, True).sqrt()
+    return config, weights
+
+
+def _write_target(base: Path, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    config, weights = normalized_target(base)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
