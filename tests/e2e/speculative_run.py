@@ -96,6 +96,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--swap-space-remote")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--hybrid", action="store_true", help="EAGLE's target with a window group"
+    )
     args = parser.parse_args()
     from vllm import SamplingParams
 
@@ -115,7 +118,7 @@ def main() -> None:
     else:
         from vllm_cpu_offload.testing.tiny_eagle import ensure_eagle_pair
 
-        target, head = ensure_eagle_pair()
+        target, head = ensure_eagle_pair(hybrid=args.hybrid)
         model, speculative["model"] = str(target), str(head)
     # Room in host memory for every document, the drafter's layers included.
     host: dict[str, Any] = dict(swap_space=0.05) if args.offload else {}
@@ -149,6 +152,7 @@ def main() -> None:
         tokens=[list(o.outputs[0].token_ids) for o in measured.outputs],
         cached=[o.num_cached_tokens for o in measured.outputs],
         host_hit_tokens=stats.hit_tokens if stats else 0,
+        loaded_by_group=dict(stats.loaded_by_group) if stats else {},
         remote_hit_tokens=stats.remote_hit_tokens if stats else 0,
         drafted=measured.drafted,
         acceptance=measured.accepted / measured.drafted if measured.drafted else None,

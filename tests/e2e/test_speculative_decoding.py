@@ -65,9 +65,17 @@ def _reference(model: str, method: str, dtype: str = "float32") -> Any:
     return _run(model, method, "--device-blocks", "200", "--dtype", dtype)
 
 
+# A document's blocks, and those a re-read's hit keeps from a tier: all but the last,
+# which vLLM's own hit leaves. For an EAGLE-style drafter on one KV cache group vLLM's
+# device hit leaves one more; the tier's hit drops the block past that instead, whose
+# hash covers the token the kept blocks' last drafter KV was computed from.
+DOC_BLOCKS = WORDS * REPEATS // BLOCK_SIZE
+TIER_CACHED = [(DOC_BLOCKS - 1) * BLOCK_SIZE] * DOCS
+
+
 def _assert_same_rereads(tier: Any, reference: Any, min_host_hit_docs: int) -> None:
     assert tier["tokens"] == reference["tokens"]
-    assert tier["cached"] == reference["cached"]
+    assert tier["cached"] == TIER_CACHED
     assert tier["host_hit_tokens"] >= min_host_hit_docs * tier["cached"][0]
     assert reference["drafted"] > 0
     assert abs(tier["acceptance"] - reference["acceptance"]) <= 0.01, (
@@ -84,7 +92,7 @@ def test_rereads_from_host_memory_keep_the_acceptance_rate(
     reference = _reference(tiny_model, method)
     # vLLM's hit leaves each document's last block, and for EAGLE one more (the
     # drafter's KV at its last position depends on the token after it).
-    kept = WORDS * REPEATS // BLOCK_SIZE - (2 if method in EAGLE_STYLE else 1)
+    kept = DOC_BLOCKS - (2 if method in EAGLE_STYLE else 1)
     assert reference["cached"] == [kept * BLOCK_SIZE] * DOCS
     if method != "ngram":
         assert reference["acceptance"] == 1.0  # so lost drafter KV would show
@@ -104,6 +112,21 @@ def test_bf16_rereads_from_host_memory_keep_the_acceptance_rate(
         tiny_model, method, "--offload", "--device-blocks", "24", "--dtype", "bfloat16"
     )
     _assert_same_rereads(tier, reference, min_host_hit_docs=DOCS - 1)
+
+
+def test_eagle_on_a_hybrid_target_rereads_every_groups_blocks() -> None:
+    # The target has a sliding-window layer and a full-attention one; vLLM keeps them
+    # and the EAGLE head's layer in three KV cache groups, and marks none as the
+    # drafter's (then it drops the last block of every group's hit). Re-reads load
+    # the window group's window and the full groups' every block, the drafter's
+    # group as many as the target's.
+    reference = _run("-", "eagle", "--hybrid", "--device-blocks", "200")
+    assert reference["cached"] == TIER_CACHED  # vLLM's hybrid hit
+    # 56 device blocks: one document (15 + 15 + 2 blocks) and a part.
+    tier = _run("-", "eagle", "--hybrid", "--offload", "--device-blocks", "56")
+    _assert_same_rereads(tier, reference, min_host_hit_docs=DOCS - 1)
+    loaded = tier["loaded_by_group"]
+    assert loaded["2"] == loaded["1"] > loaded["0"] > 0, loaded
 
 
 @pytest.mark.parametrize("method", KV_METHODS)

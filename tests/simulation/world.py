@@ -356,7 +356,9 @@ class World:
             )
             DrafterLayer(
                 SimpleNamespace(
-                    vllm_config=SimpleNamespace(speculative_config=eagle),
+                    vllm_config=SimpleNamespace(
+                        speculative_config=eagle, model_config=config.model_config
+                    ),
                     kv_cache_config=kv_config,
                 )
             ).attach_scheduler(tier)

@@ -34,14 +34,21 @@ def _speculative(method: str, *, drop: bool = True, draft: bool = True) -> Any:
     )
 
 
-def _kv_cache_config(*eagle_groups: bool) -> Any:
-    groups = [SimpleNamespace(is_eagle_group=marked) for marked in eagle_groups]
+def _kv_cache_config(*eagle_groups: bool, layers: tuple[int, ...] = ()) -> Any:
+    groups = [
+        SimpleNamespace(
+            is_eagle_group=marked,
+            layer_names=[f"model.layers.{layers[i]}.self_attn.attn"] if layers else [],
+        )
+        for i, marked in enumerate(eagle_groups)
+    ]
     return SimpleNamespace(kv_cache_groups=groups)
 
 
 def _attach(engine: Engine, speculative: Any) -> None:
+    model = SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=1))
     spec = SimpleNamespace(
-        vllm_config=SimpleNamespace(speculative_config=speculative),
+        vllm_config=SimpleNamespace(speculative_config=speculative, model_config=model),
         kv_cache_config=_kv_cache_config(False),
     )
     assert DrafterLayer.wanted(spec)  # type: ignore[arg-type]
@@ -96,19 +103,40 @@ def test_an_eagle_style_drafters_last_block_of_a_hit_is_recomputed(method: str) 
     assert engine.tier.get_num_new_matched_tokens(other, 0) == 3 * BS
 
 
+def test_an_eagle_style_hit_of_an_aligned_prompt_keeps_all_but_its_last_block() -> None:
+    # The prompt ends on a block boundary: a hit ends a block before its end (block
+    # 2 is recomputed), and the drop takes the block past that, whose hash covers
+    # the token block 1's drafter KV was computed from: blocks 0 and 1 are served.
+    engine = _with_drafter(_speculative("eagle"))
+    _stored(engine, list(range(12)))
+    twin = _request("b", list(range(12)))
+    assert engine.tier.get_num_new_matched_tokens(twin, 0) == 2 * BS
+    # The same from a device hit of one block.
+    assert engine.tier.get_num_new_matched_tokens(twin, BS) == BS
+    # Where the host tier lacks block 2, block 1 is the hit's last: dropped.
+    engine = _with_drafter(_speculative("eagle"))
+    _stored(engine, list(range(8)) + [90, 91, 92])
+    assert engine.tier.get_num_new_matched_tokens(twin, 0) == BS
+
+
 def test_the_start_up_line_says_what_the_drafter_stores_and_where() -> None:
     ngram = _speculative("ngram", draft=False)
-    assert drafter_group_ids(ngram, _kv_cache_config(False)) == []
+    assert drafter_group_ids(ngram, _kv_cache_config(False), 2) == []
     assert "adds no KV" in describe_drafter(ngram, [])
     draft = _speculative("draft_model")
-    # Unmarked groups: the drafter's layers share the target's.
-    assert drafter_group_ids(draft, _kv_cache_config(False, False)) == [0, 1]
+    # Unmarked groups of the target's layers: the drafter's layers share them.
+    unmarked = _kv_cache_config(False, False, layers=(0, 1))
+    assert drafter_group_ids(draft, unmarked, 2) == [0, 1]
     line = describe_drafter(draft, [0, 1])
     assert "(KV cache groups 0, 1)" in line and line.endswith("with the target's")
     eagle = _speculative("eagle3")
     # A group vLLM marks as the drafter's: its per-group counters count the
     # drafter's blocks stored and loaded.
-    assert drafter_group_ids(eagle, _kv_cache_config(False, True)) == [1]
+    assert drafter_group_ids(eagle, _kv_cache_config(False, True), 2) == [1]
+    # Unmarked: the group of the layer past the target's two (a window group, a
+    # full group, the EAGLE head's group).
+    hybrid = _kv_cache_config(False, False, False, layers=(0, 1, 2))
+    assert drafter_group_ids(eagle, hybrid, 2) == [2]
     line = describe_drafter(eagle, [1])
     assert "(KV cache group 1)" in line and "last block is recomputed" in line
     assert not drafter_tail_is_volatile(draft)

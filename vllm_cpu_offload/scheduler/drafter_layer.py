@@ -25,6 +25,7 @@ never loaded shows there.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -54,15 +55,30 @@ def drafter_adds_kv(speculative_config: Any) -> bool:
     )
 
 
-def drafter_group_ids(speculative_config: Any, kv_cache_config: Any) -> list[int]:
+def drafter_group_ids(
+    speculative_config: Any, kv_cache_config: Any, target_layers: int | None
+) -> list[int]:
     """The KV cache groups that hold the drafter's KV: those vLLM marks as an EAGLE or
-    MTP drafter's (`is_eagle_group`), else every group (a draft model's layers, and
-    a drafter vLLM does not mark, share the target's groups); none without KV."""
+    MTP drafter's (`is_eagle_group`), else those with a layer numbered past the
+    target's `target_layers` (an EAGLE head's layers follow the target's), else every
+    group (a draft model's layers share the target's groups); none without KV."""
     if not drafter_adds_kv(speculative_config):
         return []
     groups = kv_cache_config.kv_cache_groups
     marked = [i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)]
+    if not marked and target_layers is not None:
+        marked = [
+            i
+            for i, g in enumerate(groups)
+            if any(_layer_number(name) >= target_layers for name in g.layer_names)
+        ]
     return marked or list(range(len(groups)))
+
+
+def _layer_number(layer_name: str) -> int:
+    """N of a layer named `....layers.N....`; -1 for another name."""
+    match = re.search(r"\.layers\.(\d+)\.", f".{layer_name}.")
+    return int(match.group(1)) if match else -1
 
 
 def describe_drafter(speculative_config: Any, group_ids: list[int]) -> str:
@@ -90,7 +106,11 @@ class DrafterLayer(TierLayer):
         speculative = self.spec.vllm_config.speculative_config
         scheduler.hit_to_last_token = False
         scheduler.drafter_tail_is_volatile = drafter_tail_is_volatile(speculative)
-        groups = drafter_group_ids(speculative, self.spec.kv_cache_config)
+        model = self.spec.vllm_config.model_config
+        target_layers = getattr(model.hf_text_config, "num_hidden_layers", None)
+        groups = drafter_group_ids(
+            speculative, self.spec.kv_cache_config, target_layers
+        )
         logger.info("CPU offload: %s", describe_drafter(speculative, groups))
 
 

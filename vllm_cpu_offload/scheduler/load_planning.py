@@ -65,6 +65,11 @@ class LoadPlanning:
         end_token = request.num_tokens - (0 if self.hit_to_last_token else 1)
         last = min(len(request.block_hashes), end_token // self.block_size)
         first_hb, last_hb = first // k, last // k
+        if self.drafter_tail_is_volatile:
+            # The hit's last block is dropped below, so the lookup may take one
+            # block more, where the prompt has it: the drafter's KV at the end of
+            # the block before was computed from that block's first token.
+            last_hb = min(len(request.block_hashes) // k, last_hb + 1)
         hits, state.remote_hit = 0, None
         if last_hb > first_hb and not state.load_failed:
             hbs, remote_hbs = self._hits(state, first_hb, last_hb)

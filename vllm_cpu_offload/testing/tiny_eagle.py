@@ -10,12 +10,17 @@ token of p + 1 at rotary position p: attention depends on relative positions onl
 it computes what the target computes at p + 1 and proposes the target's next token.
 Wrong drafter KV (a position computed from another next token) shows as lost
 acceptance.
+
+The hybrid pair's target has a sliding-window layer before that layer, muted (its
+output projections are zero, so it adds nothing to the residual stream) but with KV of
+its own: vLLM's hybrid manager keeps it in a sliding-window KV cache group, and the
+EAGLE head's layer joins the full-attention group, as on hybrid models served with
+EAGLE.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +31,23 @@ from vllm_cpu_offload.testing.tiny_model import (
 )
 
 TARGET_SHAPE = TinyLlamaShape(num_layers=1)
+# Layer 0 slides over 64 tokens (muted), layer 1 attends to everything.
+HYBRID_TARGET_SHAPE = TinyLlamaShape(num_layers=2, sliding_window=64)
 _VERSION = 1
 
 
-def ensure_eagle_pair(root: Path | None = None) -> tuple[Path, Path]:
+def ensure_eagle_pair(
+    root: Path | None = None, *, hybrid: bool = False
+) -> tuple[Path, Path]:
     """The folders of the target and of its EAGLE head, generated on first use."""
-    base = ensure_tiny_llama(TARGET_SHAPE, root)
+    base = ensure_tiny_llama(HYBRID_TARGET_SHAPE if hybrid else TARGET_SHAPE, root)
     stamp: dict[str, object] = {"base": base.name, "version": _VERSION}
+    name = "tiny-eagle-hybrid" if hybrid else "tiny-eagle"
     target = ensure_generated(
-        "tiny-eagle-target", stamp, lambda f: _write_target(base, f), root
+        f"{name}-target", stamp, lambda f: _write_target(base, f), root
     )
     head = ensure_generated(
-        "tiny-eagle-head", stamp, lambda f: _write_head(target, f), root
+        f"{name}-head", stamp, lambda f: _write_head(target, f), root
     )
     return target, head
 
@@ -62,6 +72,9 @@ def _write_target(base: Path, folder: Path) -> None:
     from safetensors.torch import save_file
 
     config, weights = normalized_target(base)
+    for layer in range(config["num_hidden_layers"] - 1):  # all but the last: muted
+        for proj in ("self_attn.o_proj", "mlp.down_proj"):
+            weights[f"model.layers.{layer}.{proj}.weight"].zero_()
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
@@ -70,13 +83,17 @@ def _write_head(target: Path, folder: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    shutil.copy(target / "config.json", folder / "config.json")
-    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
-    eye = torch.eye(hidden)
+    config = json.loads((target / "config.json").read_text())
+    last = f"model.layers.{config['num_hidden_layers'] - 1}."
+    config["num_hidden_layers"] = 1  # one full-attention layer
+    for key in ("sliding_window", "layer_types"):
+        config.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    eye = torch.eye(config["hidden_size"])
     weights = {"fc.weight": torch.cat([eye, torch.zeros_like(eye)], dim=1)}
     for name, tensor in load_file(str(target / "model.safetensors")).items():
-        if name.startswith("model.layers.0.") and "input_layernorm" not in name:
-            weights[name.removeprefix("model.")] = tensor
+        if name.startswith(last) and "input_layernorm" not in name:
+            weights["layers.0." + name.removeprefix(last)] = tensor
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
