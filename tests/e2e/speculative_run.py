@@ -87,7 +87,9 @@ def _continuations(llm: Any, params: Any) -> Measured:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("method", choices=["ngram", "draft_model", "eagle", "mtp"])
+    parser.add_argument(
+        "method", choices=["ngram", "draft_model", "eagle", "eagle3", "mtp"]
+    )
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--device-blocks", type=int, required=True)
     parser.add_argument("--scenario", default="rereads")
@@ -115,6 +117,11 @@ def main() -> None:
 
         model = str(ensure_mtp_model())
         speculative["num_speculative_tokens"] = 1  # MiMo's MTP predicts one
+    elif args.method == "eagle3":
+        from vllm_cpu_offload.testing.tiny_eagle import ensure_eagle3_pair
+
+        target, head = ensure_eagle3_pair()
+        model, speculative["model"] = str(target), str(head)
     else:
         from vllm_cpu_offload.testing.tiny_eagle import ensure_eagle_pair
 

@@ -6,7 +6,7 @@ and the same acceptance rate as re-reads from a device cache that holds everythi
 The drafters agree with the target when their inputs are right (ngram drafts from the
 documents' own repeats; the target is its own draft model; the EAGLE head of
 `testing/tiny_eagle.py` and the MTP layer of `testing/tiny_mtp.py` reproduce their
-target), so a wrong or missing drafter KV, or a
+target, the EAGLE-3 head nearly), so a wrong or missing drafter KV, or a
 first step vLLM's proposers do not expect, shows as lost acceptance. The documents end
 on a block boundary, where a host hit could reach the prompt's last token and vLLM's
 own hit stops a block earlier (there, without the drafter layer, ngram's acceptance
@@ -40,12 +40,12 @@ from tests.e2e.speculative_run import DOCS, REPEATS, TRIALS, WORDS
 
 pytestmark = pytest.mark.e2e
 
-METHODS = ["ngram", "draft_model", "eagle", "mtp"]
+METHODS = ["ngram", "draft_model", "eagle", "eagle3", "mtp"]
 # The drafters that add KV; ngram's hits end as on the host tier, tested there.
-KV_METHODS = ["draft_model", "eagle", "mtp"]
+KV_METHODS = ["draft_model", "eagle", "eagle3", "mtp"]
 # Drafters that compute their KV from the target's hidden states (vLLM's
 # `use_eagle`): the last block of a hit is recomputed.
-EAGLE_STYLE = ("eagle", "mtp")
+EAGLE_STYLE = ("eagle", "eagle3", "mtp")
 
 
 def _run(model: str, method: str, *args: str) -> Any:
@@ -95,12 +95,13 @@ def test_rereads_from_host_memory_keep_the_acceptance_rate(
     kept = DOC_BLOCKS - (2 if method in EAGLE_STYLE else 1)
     assert reference["cached"] == [kept * BLOCK_SIZE] * DOCS
     if method != "ngram":
-        assert reference["acceptance"] == 1.0  # so lost drafter KV would show
+        # So lost drafter KV would show (EAGLE-3's head, `tiny_eagle.py`: 0.97).
+        assert reference["acceptance"] >= (0.95 if method == "eagle3" else 1.0)
     tier = _run(tiny_model, method, "--offload", "--device-blocks", "24")
     _assert_same_rereads(tier, reference, min_host_hit_docs=DOCS - 1)
 
 
-@pytest.mark.parametrize("method", EAGLE_STYLE)
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
 def test_bf16_rereads_from_host_memory_keep_the_acceptance_rate(
     tiny_model: str, method: str
 ) -> None:
