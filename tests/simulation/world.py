@@ -183,11 +183,13 @@ class World:
         # volatile last block (looked up again, in the pool and in the store), as
         # vLLM's own prefix cache drops it, under every fault of the run.
         self.drafter = seed % 3 == 1
-        self.layers = LAYERS + DRAFTER_LAYERS if self.drafter else LAYERS
+        # The layers of each KV cache group (the drafter's: group 1).
+        self.groups = (LAYERS, DRAFTER_LAYERS) if self.drafter else (LAYERS,)
+        self.layers = tuple(layer for group in self.groups for layer in group)
         self.rng = random.Random(seed)
         self.step_no = 0
         self.name = f"sim-{seed}-{tp}-{id(self)}"
-        entries = {0: 2 * len(LAYERS), 1: 2 * len(DRAFTER_LAYERS)}
+        entries = {g: 2 * len(layers) for g, layers in enumerate(self.groups)}
         self.oracle = Oracle(
             BLOCK_SIZE, entries, frozenset({1} if self.drafter else ())
         )
@@ -717,8 +719,11 @@ class World:
         manager = engine.scheduler.kv_cache_manager
         heads = engine.ranks[r].heads
         # Per group: (blocks, offsets, values) read and written by each request.
-        read: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self._groups]
-        written: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self._groups]
+        read: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self.groups]
+        written: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self.groups]
+        # The drafter group's reads: which are a block's last slot (any
+        # continuation's value, `oracle.py`), and the prefix value there.
+        tails: list[tuple[torch.Tensor, torch.Tensor]] = []
         for req_id, count in scheduled.items():
             request = engine.scheduler.requests[req_id]
             done = request.num_computed_tokens - count
@@ -726,37 +731,27 @@ class World:
             tokens = self._tokens(engine, request)
             pos = torch.arange(end)
             offsets = pos % BLOCK_SIZE
-            # A drafter block's last slot: any continuation's value (`oracle.py`).
-            tail = offsets[:done] == BLOCK_SIZE - 1
-            prefix = torch.tensor(
-                self.oracle.prefix_values(req_id, tokens[:done])[:done],
-                dtype=torch.int64,
-            )
             for group, block_ids in enumerate(manager.get_block_ids(req_id)):
                 want = self._group_values(engine, req_id, tokens, end, group, heads)
                 blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // BLOCK_SIZE]
-                loose = tail if group == 1 else torch.zeros_like(tail)
-                read[group].append(
-                    (blocks[:done], offsets[:done], want[:done], loose, prefix)
-                )
+                read[group].append((blocks[:done], offsets[:done], want[:done]))
                 written[group].append((blocks[done:], offsets[done:], want[done:]))
+            if self.drafter:
+                values = self.oracle.prefix_values(req_id, tokens[:done])[:done]
+                prefix = torch.tensor(values, dtype=torch.int64)
+                tails.append((offsets[:done] == BLOCK_SIZE - 1, prefix))
         wrong: set[int] = set()
         ranks = torch.tensor(heads, dtype=torch.int64)
-        for group, layers in enumerate(self._groups):
+        for group, layers in enumerate(self.groups):
             if read[group]:
+                tail = None
+                if group == 1:
+                    loose, prefix = (torch.cat(t) for t in zip(*tails, strict=True))
+                    tail = (loose, prefix, engine.salt, ranks)
                 wrong |= self._write_and_check(
-                    engine.ranks[r],
-                    (engine.salt, ranks),
-                    layers,
-                    read[group],
-                    written[group],
+                    engine.ranks[r], layers, read[group], written[group], tail
                 )
         return wrong
-
-    @property
-    def _groups(self) -> tuple[tuple[str, ...], ...]:
-        """The layers of each KV cache group."""
-        return (LAYERS, DRAFTER_LAYERS) if self.drafter else (LAYERS,)
 
     def _group_values(
         self,
@@ -788,17 +783,19 @@ class World:
     def _write_and_check(
         self,
         rank: _Rank,
-        salt_and_heads: tuple[int, torch.Tensor],
         layers: tuple[str, ...],
         read: list[tuple[torch.Tensor, ...]],
         written: list[tuple[torch.Tensor, ...]],
+        tail: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None,
     ) -> set[int]:
         """One scatter and one gather per layer for the whole batch (the per-request
         indexing was most of a run's time). Writes go first, as a real layer writes
         the step's KV before its attention reads: a request may read blocks that
         another one computes in the same step (vLLM caches them at scheduling).
-        Slots marked loose hold a drafter value for some next token."""
-        read_blocks, read_offsets, read_want, loose, prefix = (
+        A drafter group's `tail` (which reads are a block's last slot, their prefix
+        values, the engine's salt, the heads): those slots must hold a drafter value
+        for some next token."""
+        read_blocks, read_offsets, read_want = (
             torch.cat(t) for t in zip(*read, strict=True)
         )
         write_blocks, write_offsets, write_want = (
@@ -811,9 +808,9 @@ class World:
             kv[write_blocks, :, write_offsets] = write_want[:, :, None]
             got = kv[read_blocks, :, read_offsets]
             bad = (got != read_want[:, :, None]).flatten(1).any(dim=1)
-            if loose.any():
+            if tail is not None and (loose := tail[0]).any():
                 tail_ok = self.oracle.is_drafter_tail(
-                    got[loose, :, 0], prefix[loose], *salt_and_heads
+                    got[loose, :, 0], tail[1][loose], *tail[2:]
                 ) & (got[loose, :, 0] == got[loose, :, 1]).all(dim=1)
                 bad[loose] = ~tail_ok
             wrong.update(read_blocks[bad].tolist())
