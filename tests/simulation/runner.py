@@ -18,11 +18,30 @@ def run_seeds(
 ) -> list[str]:
     """Each seed at each TP size; returns one line per failing run (its violation and
     replay command)."""
+    # Injected faults log as real ones do: thousands of lines a run. The levels are
+    # put back after: a later test in the same process may read those logs.
+    loggers = [
+        logging.getLogger(n) for n in ("vllm_cpu_offload", "vllm", "tests.simulation")
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        return _run_seeds(seeds, steps, tps, log, verbose)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _run_seeds(
+    seeds: list[int],
+    steps: int,
+    tps: list[int],
+    log: Callable[[str], None],
+    verbose: bool,
+) -> list[str]:
     from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
 
-    # Injected faults log as real ones do: thousands of lines a run.
-    for name in ("vllm_cpu_offload", "vllm", "tests.simulation"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
     utils = vllm_test_utils()
     model = str(ensure_tiny_llama())
     failures = []
