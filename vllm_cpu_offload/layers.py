@@ -53,6 +53,7 @@ LAYERS: tuple[str, ...] = (
     "vllm_cpu_offload.worker.region_layer",
     "vllm_cpu_offload.persist.layer",
     "vllm_cpu_offload.remote.layer",
+    "vllm_cpu_offload.runtime_weights",
 )
 
 

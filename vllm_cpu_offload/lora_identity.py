@@ -13,17 +13,31 @@ with one that appends the adapter's content identity to vLLM's tuple:
 - anything else (a hub id, which vLLM resolves in the workers): a token of this process
   start, so such blocks are neither shared nor restored across processes.
 
+What the workers run is what they last loaded from the path: at the adapter's first
+use, again after vLLM's worker evicted it (`--max-cpu-loras`), and at every request or
+`add_lora` that asks for `load_inplace`. Only while the files stay those first seen in
+this process is that provably their content. So the files are checked (a `stat` per
+file: `file_digest.py` keeps each version's digest) when a request is first hashed,
+when it looks up the tier and when its blocks are stored:
+- a request is hashed with the adapter's identity as it stands at its first block,
+  and keeps it for all its blocks;
+- once the files differ from those first seen (rewritten in place, with or without a
+  reload), no one can tell which version a worker holds: the adapter's identity
+  becomes this process's alone (`changed:` and a token of this start) for every
+  request hashed from then on, with one warning;
+- a request hashed under an identity that no longer holds (`hashes_hold`) neither
+  loads nor stores, in any tier: queued before an in-place reload, it runs on the new
+  files with the old files' hashes.
+Loading new files under a new adapter id, name or path shares them again.
+A file rewritten and the adapter reloaded from it within one engine step, then
+rewritten back before the next check, is not seen.
+
 Cost: the first block of the first request naming an adapter in this process reads the
 adapter's files, on the engine core's thread (SHA-256 at about 1.8 GiB/s: 55 ms per
 100 MB on the machine `file_digest.py` was measured on), or stats them where a previous
-start kept their digests. Every later block is one dict lookup on (lora_int_id,
-lora_name, lora_path), which hold all that vLLM's keys are made of: 140 ns a block
-against vLLM's 75 ns, and 1.9 us against 1.8 us for a whole 16-token block hash with
-sha256 (measured on that machine). The identity is remembered for the life of the
-process, as vLLM remembers a loaded adapter by its id, and worked out again for a
-request that reloads its adapter in place (`load_inplace`): blocks computed with the
-reloaded files are not keyed as the old files' (which engines that still hold those
-would read from the shared store).
+start kept their digests. Each later request pays a `stat` per adapter file at its first
+block (every later block is an attribute read), at each lookup, and at each step that
+stores a new block of it.
 
 KV events carry the block hashes made with it (their extra keys stay vLLM's bare LoRA
 name). An external router that computes block hashes for LoRA requests itself, from
@@ -38,8 +52,10 @@ is replaced.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,11 +65,24 @@ from vllm_cpu_offload.weights_identity import checkpoint_digest
 if TYPE_CHECKING:
     from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
 
+logger = logging.getLogger("vllm.cpu_offload")
+
 # Adapters that nothing on this machine identifies are this process's alone.
 _PROCESS_TOKEN = secrets.token_hex(16)
+# The request attribute holding the LoRA keys its blocks were hashed with.
+_HASHED_WITH = "_cpu_offload_lora_keys"
 
-# vLLM's LoRA keys with the adapter's identity, by (lora_int_id, lora_name, lora_path).
-_keys: dict[tuple[int, str, str], tuple[tuple[str, ...], ...]] = {}
+
+@dataclass
+class _Adapter:
+    """What this process knows of one (lora_int_id, lora_name, lora_path)."""
+
+    first_seen: str  # the content identity the process first found
+    identity: str  # what requests are hashed with now
+
+
+# By (lora_int_id, lora_name, lora_path), as vLLM's keys.
+_adapters: dict[tuple[int, str, str], _Adapter] = {}
 
 
 def install() -> None:
@@ -69,13 +98,11 @@ def install() -> None:
         lora = request.lora_request
         if not lora:
             return []
-        key = (lora.lora_int_id, lora.lora_name, lora.lora_path)
-        keys = _keys.get(key)
-        # A request that reloads its adapter in place may bring other files: read
-        # again, and the requests after it take what it found.
-        if keys is None or lora.load_inplace:
-            identity = _contents_of(lora.lora_path)
-            keys = _keys[key] = tuple((*k, identity) for k in current(request))
+        keys = getattr(request, _HASHED_WITH, None)
+        if keys is None:  # the request's first block: every later one takes these
+            identity = _checked(lora).identity
+            keys = tuple((*k, identity) for k in current(request))
+            setattr(request, _HASHED_WITH, keys)
         return list(keys)
 
     lora_keys_with_contents._vllm_lora_keys = current  # type: ignore[attr-defined]
@@ -83,24 +110,57 @@ def install() -> None:
     kv_cache_utils._gen_lora_extra_hash_keys = lora_keys_with_contents  # type: ignore[assignment]
 
 
+def hashes_hold(request: Any) -> bool:
+    """Whether the adapter identity `request` was hashed with still names what its
+    adapter's files hold (True without LoRA). O(files of the adapter): a stat each."""
+    lora = getattr(request, "lora_request", None)
+    keys = getattr(request, _HASHED_WITH, None)
+    if not lora or not keys:
+        return True
+    return _checked(lora).identity == keys[0][-1]
+
+
 def forget() -> None:
     """Drops the identities worked out so far (as a new process would start)."""
-    _keys.clear()
+    _adapters.clear()
+
+
+def _checked(lora: Any) -> _Adapter:
+    """The adapter's state after a look at its files now."""
+    key = (lora.lora_int_id, lora.lora_name, lora.lora_path)
+    contents = _contents_of(lora.lora_path)
+    adapter = _adapters.get(key)
+    if adapter is None:
+        adapter = _adapters[key] = _Adapter(contents, contents)
+    elif contents != adapter.first_seen and adapter.identity == adapter.first_seen:
+        adapter.identity = "changed:" + _PROCESS_TOKEN
+        logger.warning(
+            "CPU offload: the files of LoRA adapter %r at %s changed while the engine "
+            "runs; its KV is this engine's alone from now on (load the new files "
+            "under a new adapter name to share them)",
+            lora.lora_name,
+            lora.lora_path,
+        )
+    return adapter
 
 
 def _contents_of(lora_path: str) -> str:
     local = Path(os.path.expanduser(lora_path))
     if local.is_dir() or local.is_file():
-        return "files:" + checkpoint_digest(local)
+        try:
+            return "files:" + checkpoint_digest(local)
+        except OSError:
+            return "process:" + _PROCESS_TOKEN  # unreadable: nothing names it
     return "process:" + _PROCESS_TOKEN
 
 
 class LoraIdentityLayer(TierLayer):
     """Installs the adapter identity in the scheduler half's process, the one that
-    hashes blocks."""
+    hashes blocks, and keeps requests whose adapter changed since out of the tier."""
 
     def attach_scheduler(self, scheduler: HostTierScheduler) -> None:
         install()
+        scheduler.hashes_hold = hashes_hold
 
 
 layer = LoraIdentityLayer

@@ -61,6 +61,19 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     # and for each block whether the store holds it (an AND over workers).
     written: Counter[int] = field(default_factory=Counter)
     write_stored: dict[int, list[bool]] = field(default_factory=dict)
+    # Why a worker's weights may no longer be those its start loaded (a weight
+    # update or reload ran on it); None while they are (`runtime_weights.py`).
+    weights_changed: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.finished
+            or self.failed
+            or self.fetched
+            or self.written
+            or self.weights_changed
+        )
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerReport:
         assert isinstance(other, OffloadWorkerReport)
@@ -71,6 +84,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
             self.fetch_reports + other.fetch_reports,
             self.written + other.written,
             all_of(self.write_stored, other.write_stored),
+            self.weights_changed or other.weights_changed,
         )
 
 

@@ -39,6 +39,7 @@ def test_the_layers_a_setting_asks_for_fill_their_seams(
         "vllm_cpu_offload.lora_identity",
         "vllm_cpu_offload.scheduler.hints_layer",
         "vllm_cpu_offload.persist.layer",
+        "vllm_cpu_offload.runtime_weights",
     ]
     scheduler = spec.build_scheduler()
     assert isinstance(scheduler.retention, Retention)
@@ -46,6 +47,7 @@ def test_the_layers_a_setting_asks_for_fill_their_seams(
     assert scheduler.read_hints is not no_hints
     assert scheduler.pool._persistence is not None  # the file tier's index
     assert type(scheduler.shared) is NoSharedTier
+    assert len(scheduler.on_identity_change) == 2  # the file tier, the warning
     spec.close()
 
 

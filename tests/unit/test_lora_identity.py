@@ -62,7 +62,7 @@ def write_adapter(folder: Path, scale: float) -> None:
     os.utime(folder / "adapter_model.safetensors", (1_000_000_000, 1_000_000_000))
 
 
-def block_hashes(adapter: Path | str, load_inplace: bool = False) -> list[bytes]:
+def lora_request(adapter: Path | str, load_inplace: bool = False) -> Request:
     lora = LoRARequest("sql-adapter", 1, str(adapter), load_inplace=load_inplace)
     request = Request(
         "r",
@@ -73,7 +73,11 @@ def block_hashes(adapter: Path | str, load_inplace: bool = False) -> list[bytes]
         block_hasher=HASHER,
     )
     assert len(request.block_hashes) == BLOCKS
-    return list(request.block_hashes)
+    return request
+
+
+def block_hashes(adapter: Path | str, load_inplace: bool = False) -> list[bytes]:
+    return list(lora_request(adapter, load_inplace).block_hashes)
 
 
 def test_vllm_alone_keys_an_adapter_by_its_name_and_path(tmp_path: Path) -> None:
@@ -96,18 +100,58 @@ def test_an_adapter_retrained_in_place_gets_other_hashes(tmp_path: Path) -> None
     assert block_hashes(adapter) != before
 
 
-def test_an_adapter_reloaded_in_place_is_read_again(tmp_path: Path) -> None:
-    # Retrained and reloaded in place in a running engine (load_inplace): its new
-    # blocks are not keyed as the old files' blocks, which other engines still hold.
+@pytest.mark.parametrize("load_inplace", [False, True], ids=["reloaded", "inplace"])
+def test_an_adapter_rewritten_while_the_engine_runs_is_this_process_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, load_inplace: bool
+) -> None:
+    # Rewritten in place in a running engine: the workers may hold either version
+    # (reloaded after an eviction, or in place), so no file digest names what they
+    # compute with. New requests get this process's keys; another process that
+    # sees the same rewrite gets others.
     lora_identity.install()
     adapter = tmp_path / "adapter"
     write_adapter(adapter, 1.0)
-    before = block_hashes(adapter)
+    first = block_hashes(adapter)
     write_adapter(adapter, 2.0)
-    assert block_hashes(adapter) == before  # the process remembers the adapter
-    reloaded = block_hashes(adapter, load_inplace=True)
-    assert reloaded != before
-    assert block_hashes(adapter) == reloaded  # and the requests after the reload
+    after = block_hashes(adapter, load_inplace=load_inplace)
+    assert after != first
+    assert block_hashes(adapter) == after  # the requests after it alike
+    new_process()
+    monkeypatch.setattr(lora_identity, "_PROCESS_TOKEN", "another process")
+    write_adapter(adapter, 1.0)
+    assert block_hashes(adapter) == first  # the first files, another start
+    write_adapter(adapter, 2.0)
+    assert block_hashes(adapter) != after
+
+
+def test_a_request_hashed_before_its_adapter_changed_is_kept_out_of_the_tier(
+    tmp_path: Path,
+) -> None:
+    # Queued before an in-place reload, a request runs on the new files with the
+    # old files' hashes: its KV must not be stored or loaded under them.
+    lora_identity.install()
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, 1.0)
+    queued = lora_request(adapter)
+    assert lora_identity.hashes_hold(queued)
+    write_adapter(adapter, 2.0)
+    reloading = lora_request(adapter, load_inplace=True)
+    assert not lora_identity.hashes_hold(queued)
+    assert lora_identity.hashes_hold(reloading)
+    write_adapter(adapter, 1.0)  # the old files back: still no telling
+    assert not lora_identity.hashes_hold(queued)
+
+
+def test_a_request_keeps_the_keys_of_its_first_block(tmp_path: Path) -> None:
+    # The blocks a request adds while it decodes take the identity it was hashed
+    # with first, so its chain of hashes stays one adapter's.
+    lora_identity.install()
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, 1.0)
+    request = lora_request(adapter)
+    keys = kv_cache_utils._gen_lora_extra_hash_keys(request)
+    write_adapter(adapter, 2.0)
+    assert kv_cache_utils._gen_lora_extra_hash_keys(request) == keys
 
 
 def test_an_unchanged_adapter_keeps_its_hashes(tmp_path: Path) -> None:
@@ -134,21 +178,27 @@ def test_requests_without_lora_are_hashed_as_before() -> None:
 def test_the_adapter_is_read_once_per_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # vLLM asks once per block: the adapter's files are read at the first block only.
-    digests: list[Path] = []
-    real = lora_identity.checkpoint_digest
+    # vLLM asks once per block, and each request checks its adapter: the files are
+    # stat-ed per request, read once.
+    reads: list[Path] = []
+    real = file_digest._read_and_hash
 
-    def counting(path: Path) -> str:
-        digests.append(path)
-        return real(path)
+    def counting(path: Path, version: file_digest.FileVersion) -> tuple[str, bool]:
+        reads.append(path)
+        return real(path, version)
 
-    monkeypatch.setattr(lora_identity, "checkpoint_digest", counting)
+    monkeypatch.setattr(file_digest, "_read_and_hash", counting)
     lora_identity.install()
     adapter = tmp_path / "adapter"
     write_adapter(adapter, 1.0)
+    os.utime(adapter / "adapter_config.json", (1_000_000_000, 1_000_000_000))
+    request = lora_request(adapter)
+    assert lora_identity.hashes_hold(request)
     block_hashes(adapter)
-    block_hashes(adapter)
-    assert digests == [adapter]
+    assert sorted(p.name for p in reads) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
 
 
 def test_a_hub_adapter_is_this_process_alone(monkeypatch: pytest.MonkeyPatch) -> None:

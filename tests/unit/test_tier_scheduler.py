@@ -517,3 +517,36 @@ def test_resumed_hybrid_request_stores_around_the_window_groups_null_blocks() ->
     null = engine.kv.block_pool.null_block.block_id
     assert window[:4] == [null] * 4
     assert store.device_block_ids == full[:7] + window[4:7]
+
+
+def test_a_request_whose_hashes_no_longer_hold_neither_loads_nor_stores() -> None:
+    # Its adapter changed since it was hashed (`lora_identity.hashes_hold`): the
+    # host tier holds its prefix, but it loads none of it and stores nothing.
+    engine = Engine()
+    engine.report(_prefill(engine, _request("a", list(range(10)))).stores[0].job_id)
+    stale = _request("b", list(range(10)))
+    engine.tier.hashes_hold = lambda request: request.request_id != "b"
+    assert engine.tier.get_num_new_matched_tokens(stale, 0) == 0
+    assert _prefill(engine, _request("c", list(range(100, 110)))).stores
+    assert not _prefill(engine, _request("b", list(range(200, 210)))).stores
+
+
+def test_reset_cache_tells_the_layers_the_identity_may_change() -> None:
+    # vLLM resets connectors' caches around weight updates; so does a worker's
+    # report of a weight change, before the report's stores are settled.
+    engine = Engine()
+    told: list[str] = []
+    engine.tier.on_identity_change.append(told.append)
+    engine.tier.reset_cache()
+    assert len(told) == 1 and "reset" in told[0]
+    store = _prefill(engine, _request("a", list(range(10)))).stores[0]
+
+    def settled() -> bool:
+        return not engine.tier.num_jobs_in_flight
+
+    engine.tier.on_identity_change.append(lambda why: told.append(str(settled())))
+    engine.tier.update_connector_output(
+        OffloadWorkerReport(Counter([store.job_id]), weights_changed="reload_weights")
+    )
+    assert told[1:] == ["reload_weights", "False"]
+    assert settled()

@@ -654,3 +654,50 @@ def test_a_persistent_host_tier_in_front_of_the_shared_store_survives_a_restart(
         _assert_drained(again)
     finally:
         again.shutdown()
+
+
+@pytest.mark.parametrize("sign", ["reset_cache", "reload_weights"])
+def test_weights_changed_at_run_time_are_neither_shared_nor_kept(
+    vllm_utils: ModuleType,
+    tiny_model: str,
+    redis_url: str,
+    tmp_path: Path,
+    sign: str,
+) -> None:
+    # A's weights are replaced while it runs: vLLM resets the connector's cache first
+    # (pause_generation(clear_cache=True)), or a worker's reload_weights tells the
+    # worker half (runtime_weights.py). From then on A reads nothing the store holds
+    # (computed with the weights it started with), writes nothing B would read, and
+    # its file tier restores nothing at A's next start.
+    tier = tmp_path / "a"
+    tier.mkdir(mode=0o700)
+    a = Engine(vllm_utils, tiny_model, redis_url, swap_space_path=str(tier))
+    b = Engine(vllm_utils, tiny_model, redis_url)
+    prompt = 4 * BLOCK_SIZE + 3
+    # Prompts of this case alone: the store outlives each case.
+    first = 31 if sign == "reset_cache" else 41
+    b.run(b.request(first, prompt))
+    a.run(a.request(first + 1, prompt))
+    for engine in (a, b):
+        _written_through(engine)
+    if sign == "reset_cache":
+        assert a.scheduler.reset_prefix_cache(reset_connector=True)
+    else:
+        assert a.worker.worker is not None
+        a.worker.worker.weights_changed("reload_weights")
+    a.run(a.request(first + 2, prompt))
+    _written_through(a)
+    a.run(a.request(first, prompt))
+    assert a.tier.stats.remote_hit_tokens == 0
+    assert a.tier.stats.remote_fetched_blocks == 0
+    b.run(b.request(first + 2, prompt))
+    assert b.tier.stats.remote_hit_tokens == 0
+    for engine in (a, b):
+        _written_through(engine)
+        _assert_drained(engine)
+        engine.shutdown()
+    again = Engine(vllm_utils, tiny_model, swap_space_path=str(tier))
+    try:
+        assert len(again.tier.pool) == 0
+    finally:
+        again.shutdown()

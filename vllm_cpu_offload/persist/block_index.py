@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import struct
 import zlib
 from collections.abc import Sequence
@@ -37,6 +38,8 @@ RECORD_BYTES = 96
 _BODY = slice(4, _RECORD.size)
 MAX_KEY_BYTES = 32
 _CLEARED = bytes(8)  # crc 0 and valid 0: a record that no checksum matches
+# The weights of a tier made private to its start (`BlockIndex.make_private`).
+PRIVATE_WEIGHTS = "changed at run time"
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,20 @@ class BlockIndex:
         assert mapping is not None, "open() first"
         offset = host_id * RECORD_BYTES
         mapping[offset : offset + len(_CLEARED)] = _CLEARED
+
+    def make_private(self, why: str) -> None:
+        """From now on the tier describes blocks of this start only (`why`: the
+        weights may have changed at run time): its fingerprint names this start, so
+        the next start finds it written by a different configuration and restores
+        nothing. Records written before stay valid for this start's pool."""
+        if str(self.fingerprint.get("weights", "")).startswith(PRIVATE_WEIGHTS):
+            return
+        self.fingerprint = {
+            **self.fingerprint,
+            "weights": f"{PRIVATE_WEIGHTS} ({why}; start {secrets.token_hex(4)})",
+        }
+        self._file.meta = {**self._file.meta, "fingerprint": self.fingerprint}
+        self._file.write_meta("open")
 
     def close(self) -> None:
         """Flushes the index, marks the tier closed and releases the lock."""

@@ -96,6 +96,9 @@ class FileTierLayer(TierLayer):
         notice = unshared_notice(self.spec.vllm_config, persisted=True, shared=False)
         if notice is not None:
             logger.warning(notice)
+        index = self._index
+        assert index is not None
+        scheduler.on_identity_change.append(index.make_private)
 
     def host_memory(self) -> MappedMemory:
         return TierDataFile(self.path, rank_name(*this_ranks()), self.fingerprint)

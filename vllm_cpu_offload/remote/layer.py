@@ -21,7 +21,7 @@ from vllm_cpu_offload.remote.namespace import namespace_of
 from vllm_cpu_offload.remote.registry import check_remote_url, open_store
 from vllm_cpu_offload.remote.store import wait_until_answering
 from vllm_cpu_offload.scheduler.remote_lookup import RemoteLookup
-from vllm_cpu_offload.scheduler.shared_tier import attach_shared_tier
+from vllm_cpu_offload.scheduler.shared_tier import SharedTier, attach_shared_tier
 from vllm_cpu_offload.worker.shared_tier import (
     RemoteSettings,
     attach_shared_tier_worker,
@@ -87,6 +87,9 @@ class SharedTierLayer(TierLayer):
             "" if answering else " (not answering yet: connects when it does)",
         )
         attach_shared_tier(scheduler, lookup, self.namespace)
+        shared = scheduler.shared
+        assert isinstance(shared, SharedTier)
+        scheduler.on_identity_change.append(shared.seal)
 
     def attach_worker(self, worker: HostTierWorker) -> None:
         if self.namespace is None:

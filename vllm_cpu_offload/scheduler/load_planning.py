@@ -38,6 +38,7 @@ class LoadPlanning:
     async_load_tokens: int
     retention: NoRetention
     read_hints: Callable[[Request], RequestHints]
+    hashes_hold: Callable[[Request], bool]
     _single_full_group: bool
     hit_to_last_token: bool
     drafter_tail_is_volatile: bool
@@ -71,7 +72,7 @@ class LoadPlanning:
             # the block before was computed from that block's first token.
             last_hb = min(len(request.block_hashes) // k, last_hb + 1)
         hits, state.remote_hit = 0, None
-        if last_hb > first_hb and not state.load_failed:
+        if last_hb > first_hb and not state.load_failed and self.hashes_hold(request):
             hbs, remote_hbs = self._hits(state, first_hb, last_hb)
             if self.drafter_tail_is_volatile and hbs + remote_hbs:
                 # An EAGLE-style drafter's KV at a block's last position was computed

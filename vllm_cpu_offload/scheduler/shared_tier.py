@@ -84,10 +84,18 @@ class SharedTier(NoSharedTier):
         self._events: list[RemoteTierEvent] = []
         # key -> until when the store is not asked for it (a fetch of it failed)
         self._unfetchable: OrderedDict[BlockKey, float] = OrderedDict()
+        # Set once the weights may have changed at run time (`seal`).
+        self.sealed = False
 
     @property
     def num_held_writes(self) -> int:
         return len(self._writing)
+
+    def seal(self, why: str) -> None:
+        """What computes this engine's KV may no longer be what the namespace names
+        (`why`): from now on the store is neither asked nor written. Jobs already
+        planned settle as usual (the workers refuse their calls)."""
+        self.sealed = True
 
     def remote_key(self, key: BlockKey) -> str:
         group_id, block_hash = cast(tuple[int, Any], key)
@@ -99,6 +107,8 @@ class SharedTier(NoSharedTier):
         """How many of `keys` (a prefix's next host blocks, in order) the store holds
         on every rank; a block the pool holds, in any state, or one that failed to
         arrive lately ends the run."""
+        if self.sealed:
+            return 0
         now = self.lookup.clock()
         asked: list[BlockKey] = []
         for key in keys:
@@ -114,6 +124,8 @@ class SharedTier(NoSharedTier):
         rank; a key the pool holds, in any state, or one that failed to arrive lately
         is not asked for. Its tokens are counted once per block, whatever the number
         of groups asking for it."""
+        if self.sealed:
+            return frozenset()
         now = self.lookup.clock()
         asked = [
             key
@@ -186,6 +198,8 @@ class SharedTier(NoSharedTier):
     ) -> list[RemoteBlocks]:
         """What every worker writes to the store once its copy of `store` (of host
         blocks `keys`) is done; `first`: before the writes queued earlier."""
+        if self.sealed:
+            return []
         self._writes_planned.add(store.job_id)
         k = self.blocks_per_host_block
         host_blocks = [slot // k for slot in store.host_block_ids[::k]]
@@ -202,7 +216,11 @@ class SharedTier(NoSharedTier):
         """Every worker's copy of a store ended. A worker whose store succeeded writes
         its blocks through, reading them, whether or not another worker's failed: they
         stay held until every worker's write ended. Those of a store that succeeded
-        are visible meanwhile (pinned); those of a failed one stay STORING, then go."""
+        are visible meanwhile (pinned); those of a failed one stay STORING, then go.
+        A store planned without write-through (the store was sealed) settles at once."""
+        if job_id not in self._writes_planned:
+            super().store_completed(job_id, keys, stored, success)
+            return
         if success:
             self.pool.complete_store(keys, True, stored)
             self.pool.pin(keys)

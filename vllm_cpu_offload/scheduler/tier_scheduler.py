@@ -68,6 +68,14 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+# Why the identity may have changed when vLLM resets the connector's cache.
+CACHE_RESET = "vLLM reset the connector's cache (a weight update or sleep may follow)"
+
+
+def _always(request: Request) -> bool:
+    return True
+
+
 # vLLM's BlockPool hands out block 0 first and keeps it as its null block: the
 # placeholder a sliding-window group holds for blocks outside its window.
 NULL_BLOCK_ID = 0
@@ -124,6 +132,12 @@ class HostTierScheduler(LoadPlanning):
         self.retention: NoRetention = NoRetention()
         # What a client says of a request's KV.
         self.read_hints: Callable[[Request], RequestHints] = no_hints
+        # Whether what computes a request's KV is still what its block hashes name
+        # (an adapter rewritten since it was hashed is not): a request that is not
+        # neither loads nor stores.
+        self.hashes_hold: Callable[[Request], bool] = _always
+        # Told when the weights may have changed at run time (`identity_changed`).
+        self.on_identity_change: list[Callable[[str], None]] = []
         # Host hits of at least this many tokens load across steps while other requests
         # run; 0: none. (With several groups every hit does: `get_num_new_matched_...`.)
         self.async_load_tokens = async_load_tokens if self._single_full_group else 0
@@ -194,7 +208,7 @@ class HostTierScheduler(LoadPlanning):
         if limit is not None:  # the client's cap: the first `limit` tokens at most
             full_hbs = min(full_hbs, limit // self.block_size // k)
         first_hb = state.planned_upto // k  # planned_upto is a host block boundary
-        if full_hbs <= first_hb:
+        if full_hbs <= first_hb or not self.hashes_hold(request):
             return None
         state.planned_upto = full_hbs * k
         hashes = request.block_hashes
@@ -247,6 +261,9 @@ class HostTierScheduler(LoadPlanning):
         stores are in this report and the workers were not yet told to hold them.
         """
         if report is not None:
+            if report.weights_changed is not None:
+                # First: this report's stores may hold KV of the changed weights.
+                self.identity_changed(report.weights_changed)
             for job_id, arrived in report.fetched.items():
                 self._fetch_ended(job_id, arrived, report.fetch_reports[job_id])
             for job_id, count in report.failed.items():
@@ -378,7 +395,17 @@ class HostTierScheduler(LoadPlanning):
     def reset_cache(self) -> bool:
         self.retention.release_all()
         self.pool.reset()
+        # vLLM resets connectors' caches around weight updates and sleep
+        # (`pause_generation(clear_cache=True)`): the weights may change next.
+        self.identity_changed(CACHE_RESET)
         return True
+
+    def identity_changed(self, why: str) -> None:
+        """What computes this engine's KV may no longer be what its start loaded
+        (`why`): the layers that share or keep blocks beyond this start stop doing
+        so (`on_identity_change`)."""
+        for listener in self.on_identity_change:
+            listener(why)
 
     def take_pool_events(self) -> list[PoolEvent]:
         """The pool's events since the last call; counts evictions on the way."""

@@ -64,6 +64,7 @@ FETCH_BATCH_BYTES = 32 << 20
 # free again, reconnects); the bound is for a store that lets timed-out calls pile up.
 MAX_HELD_BUFFERS = 2
 _ALL_HELD = RemoteStoreError("every buffer is held by a call that timed out")
+_SEALED = RemoteStoreError("the weights changed at run time: the store is sealed")
 
 
 @dataclass
@@ -194,6 +195,9 @@ class RemoteIO:
         self._results = RemoteResults()
         self._closed = False
         self._busy = False
+        # Set once this worker's weights may differ from those the namespace names
+        # (`seal`): from then on no value is written or fetched.
+        self._sealed = False
         self._thread = threading.Thread(
             target=self._serve, name="vllm-cpu-offload-remote", daemon=True
         )
@@ -222,6 +226,12 @@ class RemoteIO:
         with self._lock:
             self._fetches.append(job)
             self._lock.notify()
+
+    def seal(self) -> None:
+        """From now on writes and fetches fail without a call: the KV this worker
+        computes may come from other weights than those the namespace names. A batch
+        already in a call ends as it would have (its values came from before)."""
+        self._sealed = True
 
     def poll(self) -> RemoteResults:
         with self._lock:
@@ -339,6 +349,9 @@ class RemoteIO:
         host_blocks: Sequence[int],
         running: list[Future[Any]],
     ) -> list[bool]:
+        if self._sealed:
+            self._failed("write", len(block_keys), _SEALED)
+            return [False] * len(block_keys)
         headers_at = self._headers.ready()
         cut_at = self._cut.ready() if self._cut is not None else 0
         if headers_at is None or cut_at is None:
@@ -396,9 +409,10 @@ class RemoteIO:
         their checks."""
         for host_block in host_blocks:
             self.values.host_span(host_block)  # refuses an id out of range
-        at = self._staging.ready()
+        at = None if self._sealed else self._staging.ready()
         if at is None:
-            self._failed("fetch", len(block_keys), _ALL_HELD)
+            why = _SEALED if self._sealed else _ALL_HELD
+            self._failed("fetch", len(block_keys), why)
             return [False] * len(block_keys)
         keys = self._keys(block_keys)
         header_bytes, size = value_format.HEADER_BYTES, self.values.value_bytes

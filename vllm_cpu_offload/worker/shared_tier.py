@@ -94,6 +94,9 @@ class SharedTierWorker(NoSharedTierWorker):
     def remote_io(self) -> RemoteIO:
         return self._io
 
+    def seal(self) -> None:
+        self._io.seal()
+
     @property
     def num_jobs_in_flight(self) -> int:
         return len(self._async_loads) + len(self._writes)

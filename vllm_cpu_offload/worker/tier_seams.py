@@ -123,5 +123,9 @@ class NoSharedTierWorker:
         """The store's counters since the last call, each named `remote_*`."""
         return {}
 
+    def seal(self) -> None:
+        """This worker's weights may no longer be those the store's namespace names:
+        nothing is written to or fetched from it from now on."""
+
     def close(self) -> None:
         """Gives queued writes a bounded while to land, then closes the store."""

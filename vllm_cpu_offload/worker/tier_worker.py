@@ -313,13 +313,20 @@ class HostTierWorker:
             if not self._stores_in_flight[req_id]:
                 del self._stores_in_flight[req_id]
 
+    def weights_changed(self, why: str) -> None:
+        """The model's weights are about to change (`why`): nothing computed from now
+        on reaches the shared store, and the next report tells the scheduler half,
+        which stops sharing and keeping the tier's files (`runtime_weights.py`)."""
+        self.shared.seal()
+        self._report.weights_changed = self._report.weights_changed or why
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def take_report(self) -> OffloadWorkerReport | None:
         report = self._report
-        if not (report.finished or report.failed or report.fetched or report.written):
+        if report.empty:
             return None
         self._report = OffloadWorkerReport()
         return report

@@ -1,0 +1,127 @@
+"""Weights that change while the engine runs, as a layer of the tier (`layers.py`).
+
+The shared store's namespace and the file tier's fingerprint name the weights the
+engine loaded at start. Weights replaced later (an RL loop's weight sync, a reload from
+disk) compute other KV under the same block hashes, so from the first sign of a change
+the KV this engine computes is kept from every engine but itself and from every start
+but this one:
+- the shared store is sealed, on each worker before the weights change (nothing more
+  is written to it or fetched from it) and in the scheduler half once it hears of it
+  (nothing more is asked or planned): `SharedTier.seal`, `RemoteIO.seal`;
+- the file tier's fingerprint becomes this start's (`BlockIndex.make_private`): the
+  next start restores nothing of it.
+The host tier keeps serving this engine, as vLLM's own prefix cache does.
+
+The signs, whichever comes first:
+- vLLM resets the connector's cache (`reset_cache`): it does so before weight updates
+  (`pause_generation(clear_cache=True)`, which RL loops use) and sleep;
+- a worker is asked to change its weights: vLLM's `Worker.reload_weights`,
+  `start_weight_update`, `start_draft_weight_update` and `update_weights` tell this
+  worker's tier first, which seals its store at once and reports the change with its
+  next step.
+Weights written into the model by other means (a worker extension's own method that
+calls `load_weights`) without a cache reset are not seen: vLLM's own prefix cache would
+then serve stale KV too.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from vllm_cpu_offload.layers import TierLayer
+
+if TYPE_CHECKING:
+    from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler
+    from vllm_cpu_offload.spec import OffloadSpec
+    from vllm_cpu_offload.worker.tier_worker import HostTierWorker
+
+logger = init_logger("vllm.cpu_offload")
+
+# vLLM's worker methods that change the model's weights (those a release lacks are
+# skipped).
+WEIGHT_CHANGERS = (
+    "reload_weights",
+    "start_weight_update",
+    "start_draft_weight_update",
+    "update_weights",
+)
+
+# This process's worker halves, told before any weight changes.
+_workers: list[weakref.WeakMethod[Callable[[str], None]]] = []
+
+
+def install_weight_hooks() -> None:
+    """Makes vLLM's weight-changing worker methods tell this process's tier first; a
+    second call changes nothing."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    for name in WEIGHT_CHANGERS:
+        original = getattr(Worker, name, None)
+        if original is None or hasattr(original, "_cpu_offload_original"):
+            continue
+        setattr(Worker, name, _telling_the_tier(name, original))
+
+
+def _telling_the_tier(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def changing_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
+        weights_changing(f"vLLM's {name} changed the weights at run time")
+        return original(self, *args, **kwargs)
+
+    changing_weights._cpu_offload_original = original  # type: ignore[attr-defined]
+    return changing_weights
+
+
+def weights_changing(why: str) -> None:
+    """Tells every worker half of this process that its weights change now."""
+    for ref in list(_workers):
+        told = ref()
+        if told is None:
+            _workers.remove(ref)
+        else:
+            told(why)
+
+
+class RuntimeWeightsLayer(TierLayer):
+    """Stops sharing and keeping KV beyond this start once the weights may change."""
+
+    @classmethod
+    def wanted(cls, spec: OffloadSpec) -> bool:
+        config = spec.config
+        return config.remote_url is not None or config.swap_space_path is not None
+
+    def __init__(self, spec: OffloadSpec) -> None:
+        super().__init__(spec)
+        self._announced = False
+
+    def attach_scheduler(self, scheduler: HostTierScheduler) -> None:
+        scheduler.on_identity_change.append(self._announce)
+
+    def attach_worker(self, worker: HostTierWorker) -> None:
+        install_weight_hooks()
+        _workers.append(weakref.WeakMethod(worker.weights_changed))
+
+    def _announce(self, why: str) -> None:
+        if self._announced:
+            return
+        self._announced = True
+        config = self.spec.config
+        effects = []
+        if config.remote_url is not None:
+            effects.append("nothing more is shared through the shared tier")
+        if config.swap_space_path is not None:
+            effects.append("the file tier restores none of it at the next start")
+        logger.warning(
+            "CPU offload: %s; the weights may no longer be those the engine started "
+            "with, so %s (restart the engine to share and keep KV again)",
+            why,
+            " and ".join(effects),
+        )
+
+
+layer = RuntimeWeightsLayer
