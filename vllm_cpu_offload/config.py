@@ -92,6 +92,10 @@ class OffloadConfig:
         retain_share: the share of the host tier that requests' `retain` hints may
             keep from eviction (0: hints to retain are ignored).
         max_retain_s: the longest a `retain` hint keeps blocks, in seconds.
+        weights_id: the operator's name for the weights this engine loads, for the
+            shared and file tiers (`kv_identity`): engines that give the same name
+            share KV as if their weights were proven equal. None: the tiers share
+            only what they can prove.
 
     """
 
@@ -106,6 +110,7 @@ class OffloadConfig:
     retain_share: float = DEFAULT_RETAIN_SHARE
     max_retain_s: float = DEFAULT_MAX_RETAIN_S
     remote_values: str = DEFAULT_REMOTE_VALUES
+    weights_id: str | None = None
 
     @property
     def swap_space_bytes(self) -> int:
@@ -133,6 +138,8 @@ class OffloadConfig:
             extra["max_retain_s"] = self.max_retain_s
         if self.remote_values != DEFAULT_REMOTE_VALUES:
             extra["remote_values"] = self.remote_values
+        if self.weights_id is not None:
+            extra["weights_id"] = self.weights_id
         return extra
 
     def blocks_per_host_block(self, block_size: int) -> int:
@@ -165,6 +172,7 @@ class OffloadConfig:
             "retain_share",
             "max_retain_s",
             "remote_values",
+            "weights_id",
         )
         unknown = sorted(set(extra) - set(allowed))
         if unknown:
@@ -202,6 +210,14 @@ class OffloadConfig:
                 f"remote_values {values!r} is not known; choose one of: "
                 f"{', '.join(REMOTE_VALUES)}"
             )
+        weights_id = extra.get("weights_id")
+        if weights_id is not None and (
+            not isinstance(weights_id, str) or not weights_id.strip()
+        ):
+            raise OffloadConfigError(
+                "weights_id must be a non-empty name for the weights (e.g. "
+                f"'llama-3-8b-ft-2026-11-20'), got {weights_id!r}"
+            )
         return cls(
             swap_space_gib=swap,
             eviction_policy=policy,
@@ -214,6 +230,7 @@ class OffloadConfig:
             retain_share=float(share),
             max_retain_s=float(longest),
             remote_values=values,
+            weights_id=weights_id,
         )
 
 

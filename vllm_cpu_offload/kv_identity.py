@@ -38,13 +38,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from vllm_cpu_offload.context_parallel import context_parallel_sizes
 from vllm_cpu_offload.errors import OffloadConfigError
-from vllm_cpu_offload.weights_identity import weights_identity
+from vllm_cpu_offload.weights_source import loaded_weights
 
 # vLLM's seed for the cryptographic hashes when PYTHONHASHSEED is not set.
 _DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
@@ -69,10 +70,14 @@ def kv_identity(
     return {
         "vllm": vllm.__version__.split("+")[0],
         "model": str(model.model),
-        "weights": _weights_of(model, speculative, load.download_dir)
-        if all(digests.values())
-        else None,
+        "weights": _weights_of(vllm_config) if all(digests.values()) else None,
         "load_format": str(load.load_format),
+        # Digests only: a loader's settings may hold credentials.
+        "loader_settings": _digest(_jsonable(load.model_loader_extra_config)),
+        # How images and other media become placeholder tokens and embeddings: not
+        # in vLLM's model config digest, nor in an item's hash where the engine
+        # (not the request) sets it.
+        "multimodal": _multimodal_settings(model),
         **digests,
         "max_model_len": _built_model_len(model),
         "dtype": str(model.dtype),
@@ -105,18 +110,47 @@ def kv_identity(
 CONFIG_DIGESTS = ("model_config", "cache_config", "attention_config")
 
 
-def _weights_of(
-    model: Any, speculative: Any, download_dir: str | None
-) -> str | list[str] | None:
+def _weights_of(vllm_config: Any) -> str | list[str] | None:
     """The target's weights and, with a draft model (a draft model's, an EAGLE head's,
     MTP's layers, whose KV the blocks hold too), the drafter's; None where either is
-    unidentified."""
-    target = weights_identity(model, download_dir)
-    draft = getattr(speculative, "draft_model_config", None)
+    unproven (`weights_source`). The operator's `weights_id` names them all."""
+    named = operator_weights_name(vllm_config)
+    if named is not None:
+        return "named:" + named
+    load = vllm_config.load_config
+    target = loaded_weights(vllm_config.model_config, load).identity
+    draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
     if draft is None or target is None:
         return target
-    drafter = weights_identity(draft, download_dir)
+    drafter = loaded_weights(draft, load).identity
     return None if drafter is None else [target, drafter]
+
+
+def operator_weights_name(vllm_config: Any) -> str | None:
+    """The operator's name for the weights (`weights_id`), or None."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    named = extra.get("weights_id")
+    return str(named) if named else None
+
+
+def _multimodal_settings(model: Any) -> str | None:
+    mm = getattr(model, "multimodal_config", None)
+    if mm is None:
+        return None
+    return _digest(
+        _jsonable(
+            {
+                "mm_processor_kwargs": getattr(mm, "mm_processor_kwargs", None),
+                "media_io_kwargs": getattr(mm, "media_io_kwargs", None),
+            }
+        )
+    )
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _config_digest(config: Any) -> str | None:
@@ -188,28 +222,38 @@ def total_kv_heads(vllm_config: Any) -> int:
 
 
 def unshared_notice(vllm_config: Any, *, persisted: bool, shared: bool) -> str | None:
-    """The start-up line for an engine whose weights nothing identifies, where a tier
-    would otherwise share or restore blocks; None where there is nothing to say."""
-    model = vllm_config.model_config
+    """The start-up line for an engine whose weights the tier cannot prove, or which
+    the operator named, where a tier would otherwise share or restore blocks; None
+    where there is nothing to say."""
     if not (persisted or shared):
         return None
-    if weights_identity(model, vllm_config.load_config.download_dir) is not None:
-        return None
-    if model.model_weights:
-        what = f"the weights streamed from {model.model_weights}"
-        fix = "serve a local copy"
-    else:
-        what = (
-            f"the weights of {model.model} (a hub model with no --revision and no "
-            "snapshot in the Hugging Face cache)"
+    named = operator_weights_name(vllm_config)
+    if named is not None:
+        return (
+            f"CPU offload: the weights are named {named!r} by weights_id: engines that "
+            "give this name share and restore each other's KV as if their weights "
+            "were proven equal"
         )
-        fix = "pin --revision or serve a local directory"
+    load = vllm_config.load_config
+    models = [vllm_config.model_config]
+    draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
+    if draft is not None:
+        models.append(draft)
+    unproven = [w for m in models if (w := loaded_weights(m, load)).identity is None]
+    if not unproven:
+        return None
     effects = []
     if shared:
         effects.append("the shared tier is off")
     if persisted:
         effects.append("the persistent tier starts empty at every start")
-    return f"CPU offload: nothing identifies {what}, so {' and '.join(effects)}; {fix}"
+    first = unproven[0]
+    return (
+        f"CPU offload: nothing proves what {first.unproven} are, so "
+        f"{' and '.join(effects)}; {first.fix}, or name the weights with "
+        "kv_connector_extra_config's weights_id if you know them equal on every "
+        "engine that uses the name"
+    )
 
 
 def _built_model_len(model: Any) -> Any:

@@ -56,7 +56,12 @@ def weights_identity(model_config: Any, download_dir: str | None) -> str | None:
     commit = _snapshot_commit(source, revision, download_dir)
     if commit is not None:
         return f"hub:{source}@{commit}"
-    return f"hub:{source}@{revision}" if revision else None
+    # Only a commit names the files: a branch or a tag moves.
+    return f"hub:{source}@{revision}" if _is_commit(revision) else None
+
+
+def _is_commit(revision: str | None) -> bool:
+    return revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision) is not None
 
 
 def checkpoint_digest(path: Path) -> str:

@@ -269,10 +269,14 @@ def test_a_hub_model_with_nothing_that_names_its_weights_is_not_shared(
     notice = unshared_notice(config, persisted=True, shared=True)
     assert notice is not None and "\n" not in notice
     assert "shared tier is off" in notice and "--revision" in notice
+    assert "weights_id" in notice
     assert unshared_notice(config, persisted=False, shared=False) is None
-    pinned = as_hub_model(vllm_config(tiny_model), tmp_path, revision="v1")
+    pinned = as_hub_model(vllm_config(tiny_model), tmp_path, revision=COMMIT_A)
     assert namespace(pinned) is not None
     assert unshared_notice(pinned, persisted=True, shared=True) is None
+    # A branch or a tag names no files: `main` moves.
+    moving = as_hub_model(vllm_config(tiny_model), tmp_path / "empty", revision="v1")
+    assert namespace(moving) is None
 
 
 def test_weights_streamed_from_an_object_store_are_not_shared(tiny_model: str) -> None:
@@ -328,3 +332,102 @@ def test_the_connector_runs_without_the_shared_tier_and_says_so_once(
     assert connector.scheduler is not None
     assert type(connector.scheduler.shared) is NoSharedTier
     assert len(warnings) == 1 and "shared tier is off" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    "load_format", ["dummy", "ipc_cache", "modelexpress", "my_plugin_loader"]
+)
+def test_weights_a_loader_makes_up_or_brings_from_elsewhere_are_not_shared(
+    tiny_model: str, load_format: str
+) -> None:
+    # Random values, another process's memory, a peer, a plugin's loader: the
+    # files at --model say nothing of them.
+    config = vllm_config(tiny_model)
+    config.load_config.load_format = load_format
+    assert namespace(config) is None
+    from vllm_cpu_offload.kv_identity import unshared_notice
+
+    notice = unshared_notice(config, persisted=False, shared=True)
+    assert notice is not None and load_format in notice and "weights_id" in notice
+
+
+def test_tensorizer_weights_are_named_by_the_file_they_come_from(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    # Two engines on one --model that deserialize different tensorizer files share
+    # nothing; the same file shares; a URI nothing here can read shares nothing.
+    def with_tensors(uri: str) -> Any:
+        config = vllm_config(tiny_model)
+        config.load_config.load_format = "tensorizer"
+        config.load_config.model_loader_extra_config = {"tensorizer_uri": uri}
+        return config
+
+    first, second = tmp_path / "a.tensors", tmp_path / "b.tensors"
+    first.write_bytes(b"\x01" * 4096)
+    second.write_bytes(b"\x02" * 4096)
+    a = namespace(with_tensors(str(first)))
+    assert a is not None and a == namespace(with_tensors(str(first)))
+    assert namespace(with_tensors(str(second))) not in (None, a)
+    assert namespace(with_tensors("s3://bucket/model.tensors")) is None
+
+
+@pytest.mark.parametrize("load_format", ["sharded_state", "runai_streamer"])
+def test_a_streaming_loader_is_proven_by_local_files_only(
+    tiny_model: str, load_format: str
+) -> None:
+    config = vllm_config(tiny_model)
+    config.load_config.load_format = load_format
+    assert namespace(config) is not None
+    config.model_config.model_weights = "s3://bucket/model"
+    assert namespace(config) is None
+
+
+def test_modelscope_hub_ids_are_not_taken_from_the_hugging_face_cache(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The Hugging Face cache may hold another repository of the same name.
+    hub_snapshot(tmp_path, COMMIT_A)
+    assert namespace(as_hub_model(vllm_config(tiny_model), tmp_path)) is not None
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "True")
+    assert namespace(as_hub_model(vllm_config(tiny_model), tmp_path)) is None
+
+
+def test_the_operator_names_weights_the_tier_cannot_prove(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    # weights_id: the operator's word that engines giving the name compute the
+    # same KV; another name shares nothing, and the start-up line says so.
+    from vllm_cpu_offload.kv_identity import unshared_notice
+
+    def named(name: str | None) -> Any:
+        config = with_connector(vllm_config(tiny_model))
+        config.load_config.load_format = "dummy"
+        extra = config.kv_transfer_config.kv_connector_extra_config
+        if name is not None:
+            extra["weights_id"] = name
+        return config
+
+    assert namespace(named(None)) is None
+    ours = namespace(named("ft-2026-11-20"))
+    assert ours is not None and ours == namespace(named("ft-2026-11-20"))
+    assert namespace(named("ft-2026-11-27")) not in (None, ours)
+    notice = unshared_notice(named("ft-2026-11-20"), persisted=True, shared=True)
+    assert notice is not None and "ft-2026-11-20" in notice
+
+
+def test_engine_level_media_settings_change_the_identity(tiny_model: str) -> None:
+    # --mm-processor-kwargs (e.g. max_pixels) is not in vLLM's model config digest,
+    # and an item's hash covers only a request's own kwargs: two engines that
+    # resize images differently would share placeholder blocks of other bytes.
+    from vllm.config import MultiModalConfig
+
+    def with_media(kwargs: dict[str, Any]) -> Any:
+        config = vllm_config(tiny_model)
+        config.model_config.multimodal_config = MultiModalConfig(
+            mm_processor_kwargs=kwargs
+        )
+        return config
+
+    small = namespace(with_media({"max_pixels": 200_704}))
+    assert small is not None and small == namespace(with_media({"max_pixels": 200_704}))
+    assert namespace(with_media({"max_pixels": 1_003_520})) != small

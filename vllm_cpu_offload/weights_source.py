@@ -1,0 +1,124 @@
+"""Where an engine's weights come from, and whether the tier can prove what they are.
+
+`weights_identity` names a checkpoint's files. That names the weights only where the
+loader reads those files: every loader and loader setting of vLLM 0.32 and 0.33 is
+sorted here, and a source the tier cannot prove gets no identity (the shared tier
+shares nothing and the file tier restores nothing: `kv_identity`), with the reason for
+the start-up line.
+
+- auto, hf, safetensors, pt, npcache, fastsafetensors, instanttensor, mistral (a GGUF
+  file and bitsandbytes checkpoints load through these): the files at `--model`, local
+  or the hub snapshot vLLM resolved; named by the files' digests or the snapshot's
+  commit;
+- sharded_state, runai_streamer, runai_streamer_sharded: the files at `--model` where
+  it is a local path (named by their digests), an object store otherwise
+  (`model_weights`: unproven);
+- tensorizer: the file at `model_loader_extra_config.tensorizer_uri`, named by its
+  digest where it is a local file, unproven otherwise;
+- dummy (random values), ipc_cache (another process's memory), modelexpress (a peer),
+  and any loader a plugin registers: unproven.
+
+Also unprovable: a hub id resolved through ModelScope (`VLLM_USE_MODELSCOPE`): the
+Hugging Face cache may hold another repository of that name. `--revision` and
+`--code-revision` are part of vLLM's model config digest; a revision names the weights
+only where it is a commit (a branch or a tag moves).
+The operator may name weights the tier cannot prove (`weights_id`), and then the name
+is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_cpu_offload.weights_identity import checkpoint_digest, weights_identity
+
+# Loaders that read the checkpoint at --model.
+CHECKPOINT_LOADERS = frozenset(
+    {
+        "auto",
+        "hf",
+        "safetensors",
+        "pt",
+        "npcache",
+        "fastsafetensors",
+        "instanttensor",
+        "mistral",
+    }
+)
+# Loaders that read the checkpoint at --model where it is a local path.
+LOCAL_ONLY_LOADERS = frozenset(
+    {"sharded_state", "runai_streamer", "runai_streamer_sharded"}
+)
+TENSORIZER = "tensorizer"
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    """What names the weights an engine loaded (None: nothing the tier can prove),
+    and, where nothing does, why and how an operator names them."""
+
+    identity: str | None
+    unproven: str = ""  # what was loaded, for the start-up line
+    fix: str = ""
+
+
+def loaded_weights(model_config: Any, load_config: Any) -> LoadedWeights:
+    """The identity of the weights `model_config` loaded with `load_config`."""
+    fmt = str(load_config.load_format).lower()
+    source = str(model_config.model_weights or model_config.model)
+    if fmt == TENSORIZER:
+        return _tensorizer(load_config.model_loader_extra_config)
+    if fmt not in CHECKPOINT_LOADERS | LOCAL_ONLY_LOADERS:
+        return LoadedWeights(
+            None, f"the weights --load-format {fmt} loads", "name them with weights_id"
+        )
+    local = Path(source).exists()
+    if fmt in LOCAL_ONLY_LOADERS and not local:
+        return LoadedWeights(
+            None, f"the weights {fmt} streams from {source}", "serve a local copy"
+        )
+    if model_config.model_weights and not local:
+        return LoadedWeights(
+            None,
+            f"the weights streamed from {model_config.model_weights}",
+            "serve a local copy",
+        )
+    if not local and _uses_modelscope():
+        return LoadedWeights(
+            None,
+            f"the weights of {source} from ModelScope",
+            "serve a local directory",
+        )
+    identity = weights_identity(model_config, load_config.download_dir)
+    if identity is not None:
+        return LoadedWeights(identity)
+    return LoadedWeights(
+        None,
+        f"the weights of {source} (a hub model with no snapshot in the Hugging "
+        "Face cache and no --revision that is a commit)",
+        "pin --revision to a commit or serve a local directory",
+    )
+
+
+def _tensorizer(extra: Any) -> LoadedWeights:
+    uri = (
+        extra.get("tensorizer_uri")
+        if isinstance(extra, dict)
+        else getattr(extra, "tensorizer_uri", None)
+    )
+    if uri and Path(os.path.expanduser(str(uri))).is_file():
+        return LoadedWeights(
+            "tensorizer:" + checkpoint_digest(Path(os.path.expanduser(str(uri))))
+        )
+    return LoadedWeights(
+        None,
+        f"the weights deserialized from {uri or 'a tensorizer URI'}",
+        "serve a local tensorizer file",
+    )
+
+
+def _uses_modelscope() -> bool:
+    return os.getenv("VLLM_USE_MODELSCOPE", "").lower() in ("1", "true")
