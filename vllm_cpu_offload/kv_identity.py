@@ -44,7 +44,7 @@ from typing import Any
 
 from vllm_cpu_offload.context_parallel import context_parallel_sizes
 from vllm_cpu_offload.errors import OffloadConfigError
-from vllm_cpu_offload.weights_identity import weights_identity
+from vllm_cpu_offload.weights_identity import unreadable_file, weights_identity
 
 # vLLM's seed for the cryptographic hashes when PYTHONHASHSEED is not set.
 _DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
@@ -195,7 +195,11 @@ def unshared_notice(vllm_config: Any, *, persisted: bool, shared: bool) -> str |
         return None
     if weights_identity(model, vllm_config.load_config.download_dir) is not None:
         return None
-    if model.model_weights:
+    unreadable = unreadable_file(model)
+    if unreadable is not None:
+        what = f"the weights of {model.model} ({unreadable} cannot be read)"
+        fix = "make it readable to the user running vLLM"
+    elif model.model_weights:
         what = f"the weights streamed from {model.model_weights}"
         fix = "serve a local copy"
     else:

@@ -306,6 +306,14 @@ def test_an_unreadable_weight_file_leaves_the_weights_unidentified(
     assert weights_identity(config, None) is None  # asked again: said once
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert str(weights) in warnings[0] and "Permission denied" in warnings[0]
+    # The tiers' start-up line says why, not "a hub model with no --revision".
+    from vllm_cpu_offload.kv_identity import unshared_notice
+
+    engine = SimpleNamespace(
+        model_config=config, load_config=SimpleNamespace(download_dir=None)
+    )
+    notice = unshared_notice(engine, persisted=True, shared=True)
+    assert notice is not None and f"{weights} cannot be read" in notice
 
 
 def test_a_weight_file_that_fails_to_read_leaves_the_weights_unidentified(
