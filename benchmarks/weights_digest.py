@@ -127,19 +127,6 @@ def start_cost(folder: Path, files: list[Path], cold: bool, from_disk: bool) -> 
     return time.perf_counter() - start
 
 
-def hub_snapshot(root: Path, files: list[Path]) -> Path:
-    """A Hugging Face cache snapshot linking to blobs named by a SHA-256."""
-    repo = root / "models--org--name"
-    snapshot = repo / "snapshots" / ("c" * 40)
-    (repo / "blobs").mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    for i, f in enumerate(files):
-        blob = repo / "blobs" / hashlib.sha256(str(i).encode()).hexdigest()
-        os.link(f, blob)
-        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
-    return snapshot
-
-
 def machine() -> dict[str, str]:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = dict(
@@ -190,9 +177,6 @@ def start_rows(runs: int, tmp: Path, gib: float, count: int) -> list[Row]:
     ):
         took = best_of(runs, min, start_cost, folder, files, cold, disk)
         rows.append({"measure": f"{label}: {what}", "s": took})
-    snapshot = hub_snapshot(tmp / f"hub{count}", files)
-    took = best_of(runs, min, start_cost, snapshot, files, True, False)
-    rows.append({"measure": f"{label}: hub snapshot", "s": took})
     for f in files:
         f.unlink()
     return rows

@@ -33,7 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_cpu_offload.weights_identity import checkpoint_digest, weights_identity
+from vllm_cpu_offload.weights_identity import (
+    checkpoint_digest,
+    unreadable_file,
+    weights_identity,
+)
 
 # Loaders that read the checkpoint at --model.
 CHECKPOINT_LOADERS = frozenset(
@@ -95,6 +99,13 @@ def loaded_weights(model_config: Any, load_config: Any) -> LoadedWeights:
     identity = weights_identity(model_config, load_config.download_dir)
     if identity is not None:
         return LoadedWeights(identity)
+    unreadable = unreadable_file(model_config)
+    if unreadable is not None:
+        return LoadedWeights(
+            None,
+            f"the weights of {source} ({unreadable} cannot be read)",
+            "make it readable to the user running vLLM",
+        )
     return LoadedWeights(
         None,
         f"the weights of {source} (a hub model with no snapshot in the Hugging "
@@ -109,10 +120,16 @@ def _tensorizer(extra: Any) -> LoadedWeights:
         if isinstance(extra, dict)
         else getattr(extra, "tensorizer_uri", None)
     )
-    if uri and Path(os.path.expanduser(str(uri))).is_file():
-        return LoadedWeights(
-            "tensorizer:" + checkpoint_digest(Path(os.path.expanduser(str(uri))))
-        )
+    local = Path(os.path.expanduser(str(uri))) if uri else None
+    if local is not None and local.is_file():
+        try:
+            return LoadedWeights("tensorizer:" + checkpoint_digest(local))
+        except OSError as e:
+            return LoadedWeights(
+                None,
+                f"the weights deserialized from {uri} ({e.strerror or e})",
+                "make it readable to the user running vLLM",
+            )
     return LoadedWeights(
         None,
         f"the weights deserialized from {uri or 'a tensorizer URI'}",
