@@ -51,7 +51,12 @@ def host_tier_memory(worker: Any) -> dict[str, Any]:
     (inode) and resident bytes of its mapping where it is a shared region."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    host = get_kv_transfer_group().worker.engine.host
+    from vllm_cpu_offload.connector import CPUOffloadConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, CPUOffloadConnector) and connector.worker is not None
+    assert connector.worker.engine is not None
+    host = connector.worker.engine.host
     start = host.tensor.data_ptr()
     mapping = None
     with open("/proc/self/smaps") as smaps:

@@ -47,7 +47,8 @@ class Measured:
     """The measured requests' outputs and the acceptance counters around them."""
 
     def __init__(self, llm: Any) -> None:
-        self.llm, self.outputs = llm, []
+        self.llm = llm
+        self.outputs: list[Any] = []
         self.accepted = self.drafted = 0.0
 
     def generate(self, prompt: str, params: Any) -> None:

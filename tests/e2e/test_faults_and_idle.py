@@ -35,8 +35,12 @@ def faulty_llm(tiny_model: str) -> Iterator[Any]:
     # transfer group here, and takes a test's injector.
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from vllm_cpu_offload.connector import CPUOffloadConnector
+
     llm = make_llm(tiny_model, offload=True)
-    get_kv_transfer_group().worker.faults = FaultInjector(0.4, seed=5)
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, CPUOffloadConnector) and connector.worker is not None
+    connector.worker.faults = FaultInjector(0.4, seed=5)
     yield llm
     shutdown(llm)
 

@@ -31,6 +31,7 @@ DEVICE_BLOCKS = 32  # shared by both groups: a document takes 10 full-attention 
 
 
 def _run(model: str, *flags: str) -> dict[str, Any]:
+    args: tuple[str, ...]
     args = ("--docs", str(DOCS), "--doc-tokens", str(DOC_TOKENS), "--metrics")
     args += ("--dtype", "float32")
     return long_documents(model, *args, "--device-blocks", str(DEVICE_BLOCKS), *flags)

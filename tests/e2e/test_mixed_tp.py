@@ -26,7 +26,7 @@ benchmarks/mixed_tp_agreement.py measures both.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 
@@ -50,7 +50,7 @@ pytestmark = pytest.mark.e2e
 DOCS = 2
 
 
-def _server(model: str, url: str, tp: int) -> Iterator[RunningServer]:
+def _server(model: str, url: str, tp: int) -> AbstractContextManager[RunningServer]:
     # Store calls bounded by 30 s, not 2: a TP=2 server beside the store's processes
     # on two busy cores may take seconds for a call, and a write or fetch given up
     # is a miss (correct, but not what this test is about).

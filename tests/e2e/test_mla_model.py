@@ -34,7 +34,7 @@ def _run(model: str, *flags: str, tp: int = 1) -> dict[str, Any]:
     env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
     # One core per rank, as on a two-core machine a user would bind them.
     env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % 2) for i in range(tp))
-    args = ("--mla", "--dtype", "float32", "--docs", str(DOCS))
+    args: tuple[str, ...] = ("--mla", "--dtype", "float32", "--docs", str(DOCS))
     args += ("--doc-tokens", str(DOC_TOKENS), "--device-blocks", str(DEVICE_BLOCKS))
     args += ("--metrics", "--tensor-parallel-size", str(tp))
     return dict(

@@ -11,6 +11,7 @@ import random
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -34,7 +35,7 @@ class EventListener:
     def __init__(self, endpoint: str) -> None:
         import zmq
 
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.bind(endpoint)
         self.events: list = []
@@ -83,7 +84,7 @@ def server(tiny_model: str, events_port: int) -> Iterator[str]:
 
 
 def _complete(url: str, model: str, prompt: str, max_tokens: int = 8) -> dict:
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,

@@ -201,6 +201,7 @@ def test_a_second_engine_reads_what_the_first_computed(
     tiny_model: str, store: str, request: pytest.FixtureRequest
 ) -> None:
     written: Written = request.getfixturevalue(f"{store}_written")
+    server: contextlib.AbstractContextManager[RunningServer]
     if store == "redis":
         url = request.getfixturevalue("redis_url")
         server = running_server(tiny_model, server_flags(url), env=MOONCAKE_ENV)

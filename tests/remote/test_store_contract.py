@@ -22,6 +22,7 @@ BLOCK = 256 << 10
 
 @pytest.fixture(params=["mooncake", "redis"])
 def store(request: pytest.FixtureRequest, memory: HostMemory) -> Iterator[RemoteStore]:
+    backend: type[RemoteStore]
     if request.param == "mooncake":
         url, backend = request.getfixturevalue("mooncake").url, MooncakeRemoteStore
     else:

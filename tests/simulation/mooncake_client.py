@@ -158,7 +158,9 @@ class SimMooncakeStore(MooncakeRemoteStore):
     min_backoff_s = 0.0
 
     def __init__(self, url: RemoteUrl, *, role: str = "worker") -> None:
-        self.backend = BACKENDS[url.option("world")]
+        world = url.option("world")
+        assert world is not None, f"{url}: no simulated world named"
+        self.backend = BACKENDS[world]
         self.name = self.backend.next_client
         self._rng = random.Random(f"{self.backend.seed}/{self.name}/mooncake")
         self._clients = 0

@@ -159,7 +159,7 @@ class Oracle:
         expected = Counter(float(self.slot_value(b, salt, head)) for b in base)
         for v in expected:
             expected[v] *= entries
-        rest = Counter(payload.tolist())
+        rest: Counter[float] = Counter(payload.tolist())
         rest.subtract(expected)
         if any(n < 0 for n in rest.values()):
             return "its bytes are another block's"

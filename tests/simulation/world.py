@@ -49,7 +49,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
 
 import torch
@@ -68,6 +68,11 @@ from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 from vllm_cpu_offload import lora_identity
 from vllm_cpu_offload.scheduler.drafter_layer import DrafterLayer
 from vllm_cpu_offload.scheduler.shared_tier import SharedTier
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from vllm_cpu_offload.spec import OffloadSpec
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16
@@ -332,6 +337,7 @@ class World:
                 kv |= dict(zip(DRAFTER_LAYERS, kv.values(), strict=True))
             worker.register_kv_caches(kv)
             faults = CopyFaults()
+            assert worker.worker is not None and worker.worker.engine is not None
             copies = LateCopies(
                 worker.worker.engine,
                 random.Random(f"{self.seed}/{name}/copies/{r}"),
@@ -356,14 +362,14 @@ class World:
                 draft_model_config=True,
                 use_eagle_block_drop=lambda: True,
             )
-            DrafterLayer(
-                SimpleNamespace(
-                    vllm_config=SimpleNamespace(
-                        speculative_config=eagle, model_config=config.model_config
-                    ),
-                    kv_cache_config=kv_config,
-                )
-            ).attach_scheduler(tier)
+            # The two fields of the spec the layer reads.
+            drafter_spec = SimpleNamespace(
+                vllm_config=SimpleNamespace(
+                    speculative_config=eagle, model_config=config.model_config
+                ),
+                kv_cache_config=kv_config,
+            )
+            DrafterLayer(cast("OffloadSpec", drafter_spec)).attach_scheduler(tier)
         tier.retention.clock = self.now
         namespace = ""  # nothing identifies the weights: the engine shares nothing
         if isinstance(tier.shared, SharedTier):
@@ -535,7 +541,7 @@ class World:
             lora_request=LoRARequest(ADAPTER_NAME, ADAPTER_ID, adapter)
         )
         with self._in_process(engine):
-            kv_cache_utils._gen_lora_extra_hash_keys(request)
+            kv_cache_utils._gen_lora_extra_hash_keys(cast("Request", request))
 
     def _salt(self) -> str | None:
         """A request's `cache_salt`: mostly none, two tenants, and a client that
@@ -683,7 +689,7 @@ class World:
         samples nothing (vLLM's model runner discards it). A chunk is a prefill chunk
         as vLLM's scheduler marked it: a request recomputed after a preemption or a
         failed load is one until it passes its output tokens, not just its prompt."""
-        sampled = {}
+        sampled: dict[str, list[int]] = {}
         for req_id in scheduled:
             request = engine.scheduler.requests[req_id]
             tokens = self._tokens(engine, request)

@@ -353,6 +353,7 @@ def test_offload_block_size_is_checked_against_the_engine_before_start(
         kv_transfer_config=_extra(offload_block_size=64),
     )
     config = args.create_engine_config().kv_transfer_config
+    assert config is not None
     assert config.kv_connector_extra_config["offload_block_size"] == 64
 
 
@@ -384,6 +385,7 @@ def test_swap_space_remote_serves_sliding_window_models() -> None:
         swap_space_remote="redis://127.0.0.1:6379",
     )  # type: ignore[call-arg]
     config = args.create_engine_config().kv_transfer_config
+    assert config is not None
     assert config.kv_connector_extra_config["remote_url"] == "redis://127.0.0.1:6379"
 
 
@@ -448,13 +450,16 @@ def test_settings_already_validated_are_not_validated_again(
     # settings: the size is parsed and checked once; changed settings are again.
     calls: list[object] = []
     real = flags.parse_swap_space
-    monkeypatch.setattr(
-        flags, "parse_swap_space", lambda v, *a: calls.append(v) or real(v, *a)
-    )
+
+    def counted(value: object, name: str = "--swap-space") -> float:
+        calls.append(value)
+        return real(value, name)
+
+    monkeypatch.setattr(flags, "parse_swap_space", counted)
     args = _args(enable_cpu_offload=True, swap_space="1")
     first = flags.resolve_offload(args)
     assert flags.resolve_offload(args) is first and calls == ["1"]
-    args.swap_space = "2"
+    args.swap_space = "2"  # type: ignore[attr-defined]  # added by flags.py's patch
     second = flags.resolve_offload(args)
     assert second is not None and second.swap_space_gib == 2 and calls == ["1", "2"]
 
@@ -484,7 +489,7 @@ def test_replicated_kv_counts_one_host_tier_per_pipeline_stage(
     monkeypatch.setattr(flags, "available_host_memory_bytes", lambda: int(1.5 * GIB))
 
     def engine(model: str, **kwargs: object) -> EngineArgs:
-        return EngineArgs(
+        return EngineArgs(  # type: ignore[call-arg]  # flags.py's patched __init__
             model=model,
             enable_cpu_offload=True,
             swap_space="1",

@@ -149,7 +149,7 @@ def test_a_mapped_tier_on_cuda_is_pinned_or_leaves_cuda_clean(tmp_path: Path) ->
     # Whether this machine's kernel pins file pages or not, the buffer says which it
     # is, and the next CUDA work runs.
     data_file = TierDataFile(str(tmp_path), "tp0-pp0", {"model": "m"})
-    host = HostBuffer.for_kv_caches(_caches(), num_slots=3, data_file=data_file)
+    host = HostBuffer.for_kv_caches(_caches(), num_slots=3, memory=data_file)
     assert host.pinned == host.tensor.is_pinned()
     assert int(torch.ones(4, device="cuda").sum()) == 4
     del host

@@ -118,7 +118,8 @@ def _graph() -> dict[str, set[str]]:
 
 def _reachable(start: str, graph: dict[str, set[str]]) -> set[str]:
     """Every module `start` imports, directly or through others."""
-    seen, todo = set(), [start]
+    seen: set[str] = set()
+    todo = [start]
     while todo:
         for m in graph[todo.pop()] - seen:
             seen.add(m)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -20,7 +22,7 @@ from vllm_cpu_offload.config import OffloadConfigError  # noqa: E402
 from vllm_cpu_offload.scheduler.kv_groups import KVGroup, kv_groups_of, longest_hit  # noqa: E402
 
 BS = 4
-ATTN = dict(num_kv_heads=1, head_size=8, dtype=torch.float32)
+ATTN: dict[str, Any] = dict(num_kv_heads=1, head_size=8, dtype=torch.float32)
 
 
 def _config(*specs: object) -> KVCacheConfig:

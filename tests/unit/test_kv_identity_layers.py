@@ -218,8 +218,9 @@ def test_context_parallelism_is_refused_before_the_engine_starts_in_one_line(
 
     from vllm_cpu_offload.errors import OffloadConfigError
 
+    parallel: dict[str, Any] = {flag: 2}
     args = EngineArgs(
-        model=tiny_model, enable_cpu_offload=True, swap_space="0.01", **{flag: 2}
+        model=tiny_model, enable_cpu_offload=True, swap_space="0.01", **parallel
     )  # type: ignore[call-arg]
     with pytest.raises(OffloadConfigError) as info:
         args.create_engine_config()

@@ -15,6 +15,7 @@ from tests.unit.connector_configs import (  # noqa: E402
     with_connector,
 )
 from vllm_cpu_offload import layers  # noqa: E402
+from vllm_cpu_offload.scheduler.block_pool import HostBlockPool  # noqa: E402
 from vllm_cpu_offload.scheduler.retention import Retention  # noqa: E402
 from vllm_cpu_offload.scheduler.tier_seams import (  # noqa: E402
     NoRetention,
@@ -45,6 +46,7 @@ def test_the_layers_a_setting_asks_for_fill_their_seams(
     assert isinstance(scheduler.retention, Retention)
     assert scheduler.retention.budget == 16
     assert scheduler.read_hints is not no_hints
+    assert isinstance(scheduler.pool, HostBlockPool)
     assert scheduler.pool._persistence is not None  # the file tier's index
     assert type(scheduler.shared) is NoSharedTier
     assert len(scheduler.on_identity_change) == 2  # the file tier, the warning
@@ -62,6 +64,7 @@ def test_without_its_layers_the_core_is_a_host_tier_alone(
     scheduler = spec.build_scheduler()
     assert type(scheduler.retention) is NoRetention
     assert scheduler.read_hints is no_hints
+    assert isinstance(scheduler.pool, HostBlockPool)
     assert scheduler.pool._persistence is None
     worker = spec.build_worker()
     assert worker.memory is None and worker.open_shared_tier is None

@@ -4,10 +4,11 @@ behaviour on small scenarios, and what sets them apart from LRU."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
-from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool
+from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool
 from vllm_cpu_offload.scheduler.policies.arc import ARCPolicy
 from vllm_cpu_offload.scheduler.policies.lirs import LIRSPolicy
 from vllm_cpu_offload.scheduler.policies.registry import make_policy
@@ -20,7 +21,7 @@ def store(pool: HostBlockPool, keys: list[object]) -> int:
     return len(allocated)
 
 
-def store_each(pool: HostBlockPool, keys: list[object]) -> None:
+def store_each(pool: HostBlockPool, keys: Sequence[object]) -> None:
     for key in keys:
         store(pool, [key])
 
@@ -229,7 +230,7 @@ def test_segment_counts_match_the_blocks_under_random_traffic(name: str) -> None
     # per-segment counts always equal a recount of the blocks.
     rng = random.Random(7)
     pool = HostBlockPool(16, make_policy(name, 16))
-    in_flight: list[list[int]] = []
+    in_flight: list[Sequence[BlockKey]] = []
     for step in range(3000):
         op = rng.random()
         if op < 0.4:

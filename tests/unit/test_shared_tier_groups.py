@@ -96,7 +96,7 @@ class Engine:
             block_bytes=64,
             groups=kv_groups_of(config, BS),
         )
-        attach_shared_tier(
+        self.shared = attach_shared_tier(
             self.tier, RemoteLookup(self.store, [RANK], timeout_s=1.0), namespace="ns"
         )
         self.tier.bind_kv_cache_manager(self.kv)
@@ -104,7 +104,7 @@ class Engine:
     def remote(self, request: Request, group: int, blocks: range) -> None:
         """The store holds these blocks of the group."""
         for i in blocks:
-            key = self.tier.shared.remote_key((group, request.block_hashes[i]))
+            key = self.shared.remote_key((group, request.block_hashes[i]))
             self.store.held.add(shard_key(key, RANK))
 
     def host(self, request: Request, group: int, blocks: range) -> None:
@@ -190,7 +190,7 @@ def test_a_hit_fetches_what_the_pool_lacks_in_every_group_and_pins_the_rest() ->
     hashes = request.block_hashes
     wanted = [(1, hashes[4]), (1, hashes[5])]
     assert list(async_load.fetch.keys) == [
-        engine.tier.shared.remote_key(key) for key in wanted
+        engine.shared.remote_key(key) for key in wanted
     ]
     assert engine.pool.num_pinned == 6 and async_load.whole
     assert list(async_load.load.device_block_ids) == full[:6] + window[4:6]
@@ -257,6 +257,6 @@ def test_every_groups_stored_blocks_are_written_through() -> None:
     (store,) = meta.stores
     (write,) = meta.writes
     keys = [(g, request.block_hashes[i]) for g in (0, 1) for i in range(6)]
-    assert list(write.keys) == [engine.tier.shared.remote_key(key) for key in keys]
+    assert list(write.keys) == [engine.shared.remote_key(key) for key in keys]
     assert list(write.host_blocks) == list(store.host_block_ids)
     assert write.job_id == store.job_id

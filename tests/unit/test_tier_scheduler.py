@@ -65,9 +65,9 @@ class Engine:
         self.kv = KVCacheManager(
             config, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS
         )
-        pool = HostBlockPool(host_blocks, make_policy(policy, host_blocks))
+        self.pool = HostBlockPool(host_blocks, make_policy(policy, host_blocks))
         self.tier = HostTierScheduler(
-            pool,
+            self.pool,
             block_size=BS,
             num_workers=workers,
             block_bytes=64,
@@ -171,7 +171,7 @@ def test_device_hits_reach_the_policy_as_device_hits() -> None:
     # hears that the device served them, not the host.
     engine = Engine()
     engine.report(_prefill(engine, _request("a", list(range(10)))).stores[0].job_id)
-    policy = engine.tier.pool.policy
+    policy = engine.pool.policy
     heard: list[tuple[str, list[Any]]] = []
     policy.on_device_hit = lambda blocks: heard.append(  # type: ignore[method-assign]
         ("device", [block.key for block in blocks])
@@ -432,7 +432,7 @@ def test_hybrid_groups_store_every_group_and_load_only_the_window() -> None:
     assert not meta.loads and async_load.whole and not async_load.fetch.keys
     load = async_load.load
     assert load.device_block_ids == full[:6] + window[4:6]
-    pool = engine.tier.pool
+    pool = engine.pool
     expected = [(0, twin.block_hashes[i]) for i in range(6)]
     expected += [(1, twin.block_hashes[i]) for i in (4, 5)]
     assert load.host_block_ids == [pool._by_key[key].block_id for key in expected]

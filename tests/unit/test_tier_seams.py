@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from vllm_cpu_offload.block_transfer import BlockTransfer
-from vllm_cpu_offload.scheduler.block_pool import BlockState, HostBlockPool
+from vllm_cpu_offload.scheduler.block_pool import BlockKey, BlockState, HostBlockPool
 from vllm_cpu_offload.scheduler.policies import LRUPolicy
 from vllm_cpu_offload.scheduler.tier_seams import (
     NO_HINTS,
@@ -17,7 +17,7 @@ from vllm_cpu_offload.scheduler.tier_seams import (
 )
 
 
-def _storing(pool: HostBlockPool, keys: list[str]) -> list[str]:
+def _storing(pool: HostBlockPool, keys: list[BlockKey]) -> list[BlockKey]:
     got = pool.allocate_for_store(keys, None)
     assert [key for key, _ in got] == keys
     return keys

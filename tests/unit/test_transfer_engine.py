@@ -54,7 +54,9 @@ def test_store_step_reports_jobs_and_copies_every_layer() -> None:
     engine = _engine(caches)
     jobs = [
         BlockTransfer(7, [3, 4], [0, 1]),
-        BlockTransfer(8, torch.tensor([6]), torch.tensor([5])),
+        # Ids as int64 tensors, which the engine takes too (typed as the lists the
+        # scheduler sends).
+        BlockTransfer(8, torch.tensor([6]), torch.tensor([5])),  # type: ignore[arg-type]
     ]
     _store_step(engine, list(caches), jobs)
     assert engine.poll_finished() == FinishedJobs(stores={7, 8})

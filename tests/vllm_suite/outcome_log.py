@@ -27,7 +27,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # One record per test: the call phase, or setup when it failed or skipped, or
     # a teardown error.
     if report.when == "call" or (report.when == "setup" and not report.passed):
-        outcome = report.outcome
+        outcome: str = report.outcome
         if report.when == "setup" and report.failed:
             outcome = "error"
         elif hasattr(report, "wasxfail"):

@@ -1,5 +1,5 @@
 """`HostTierManager`: what the scheduler half asks of the medium its host blocks live
-on, and nothing more: lookups, the two halves of a load and of a store, events.
+on, and nothing more: lookups, the two halves of a load and of a store, events, sizes.
 
 `HostBlockPool` (host memory, optionally backed by files) is the one medium today. A
 medium that stores host blocks in another form (compressed, or in an object store)
@@ -52,5 +52,18 @@ class HostTierManager(Protocol):
 
     def reset(self) -> int: ...
 
+    # ---- sizes: usage, and what a quiesced tier holds (no pin, no store) ----
+
     @property
     def usage(self) -> float: ...
+
+    def __len__(self) -> int: ...
+
+    @property
+    def num_used(self) -> int: ...
+
+    @property
+    def num_pinned(self) -> int: ...
+
+    @property
+    def num_storing(self) -> int: ...
