@@ -187,6 +187,7 @@ CORE = {
         "worker.copiers",
         "worker.copiers.base",
         "worker.copiers.copy_threads",
+        "worker.copiers.device_streams",
         "worker.copiers.select",
         "worker.copiers.torch_views",
         "worker.host_buffer",

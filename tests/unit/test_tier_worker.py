@@ -10,7 +10,15 @@ import torch  # noqa: E402
 
 from tests.fault_injection import FaultInjector  # noqa: E402
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata  # noqa: E402
+from vllm_cpu_offload.testing.held_streams import (  # noqa: E402
+    HeldStreams,
+    LaunchingCopier,
+)
+from vllm_cpu_offload.worker.copiers.torch_views import (  # noqa: E402
+    TorchBlockCopier,
+)
 from vllm_cpu_offload.worker.tier_worker import HostTierWorker  # noqa: E402
+from vllm_cpu_offload.worker.transfer_engine import TransferEngine  # noqa: E402
 
 LAYERS, BLOCKS, HOST_BLOCKS = 2, 8, 4
 
@@ -104,3 +112,35 @@ def test_injected_faults_fail_the_chosen_share_uncopied() -> None:
         and not report.finished
     )
     assert _step(worker, OffloadStepMetadata(delayed_free_req_ids=["a"])) == {"a"}
+
+
+def test_an_aborted_requests_blocks_are_freed_only_once_its_held_store_ran() -> None:
+    # Request a's store is queued on a held stream (the stand-in of a busy CUDA store
+    # stream); vLLM then aborts a, its device blocks held by the scheduler: no step
+    # reports a free while the store may still read them, none waits for the stream,
+    # and the first step after the store ran reports both.
+    worker, caches = _worker()
+    assert worker.engine is not None
+    streams = HeldStreams()
+    copier = LaunchingCopier(
+        TorchBlockCopier(caches, worker.engine.host, threads=1), streams
+    )
+    worker.engine = TransferEngine(
+        caches, worker.engine.host, copier=copier, streams=streams
+    )
+    store_stream = worker.engine._store_stream
+    streams.hold(store_stream)
+    expected = {name: t[5].clone() for name, t in caches.items()}
+    stores = [BlockTransfer(1, [5], [2], "a")]
+    assert _step(worker, OffloadStepMetadata(stores=stores)) is None
+    assert _step(worker, OffloadStepMetadata(delayed_free_req_ids=["a"])) is None
+    assert _step(worker, OffloadStepMetadata()) is None
+    assert worker.take_report() is None
+    streams.release(store_stream)
+    assert _step(worker, OffloadStepMetadata()) == {"a"}
+    report = worker.take_report()
+    assert report is not None and dict(report.finished) == {1: 1}
+    for name in caches:
+        host_block = worker.engine.host.layer_view(name)[2]
+        assert torch.equal(host_block, expected[name].view(-1).view(torch.uint8))
+    assert streams.host_waits == []

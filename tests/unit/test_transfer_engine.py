@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from vllm_cpu_offload.block_transfer import BlockTransfer
-from vllm_cpu_offload.worker.copiers.base import BlockCopier
+from vllm_cpu_offload.worker.copiers.base import (
+    BlockCopier,
+    HostWork,
+    ids_on_host,
+    loads_whole_blocks,
+)
 from vllm_cpu_offload.worker.copiers.torch_views import TorchBlockCopier, runs_of
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
@@ -123,16 +128,20 @@ def test_bad_ids_fail_only_their_job() -> None:
     assert engine.poll_finished() == FinishedJobs(stores={5}, failed={1, 2, 3, 4})
 
 
-class FailingCopier:
-    """A copier that raises on the batches `fails` picks by their device block ids
-    and layers, and copies the others."""
+# Picks the copies to fail by their device block ids and layers.
+FailsWhen = Callable[[torch.Tensor, Sequence[str] | None], bool]
 
-    def __init__(
-        self,
-        inner: BlockCopier,
-        fails: Callable[[list[int], Sequence[str] | None], bool],
-    ) -> None:
+
+class FailingCopier:
+    """A copier that raises on the batches `fails` picks, and copies the others.
+
+    It reads the block ids only where `fails` does: on CUDA they are on the device,
+    and reading them on the host waits for the current stream (a held one hangs)."""
+
+    def __init__(self, inner: BlockCopier, fails: FailsWhen) -> None:
         self.inner, self.fails = inner, fails
+        self.ids_on_host = ids_on_host(inner)
+        self.whole_block_loads = loads_whole_blocks(inner)
 
     def copy(
         self,
@@ -140,14 +149,20 @@ class FailingCopier:
         device_ids: torch.Tensor,
         host_ids: torch.Tensor,
         layers: Sequence[str] | None = None,
-    ) -> None:
-        if self.fails(device_ids.tolist(), layers):
+    ) -> HostWork | None:
+        if self.fails(device_ids, layers):
             raise RuntimeError("injected copy failure")
-        self.inner.copy(to_host, device_ids, host_ids, layers)
+        return self.inner.copy(to_host, device_ids, host_ids, layers)
 
 
-def fails_on_block(block: int) -> Callable[[list[int], Sequence[str] | None], bool]:
-    return lambda device_ids, layers: block in device_ids
+def fails_on_block(block: int) -> FailsWhen:
+    """Fails the copies of `block` (reads the ids on the host)."""
+    return lambda device_ids, layers: block in device_ids.tolist()
+
+
+def fails_at_layer(name: str) -> FailsWhen:
+    """Fails the copies of layer `name`, all layers included (never reads the ids)."""
+    return lambda device_ids, layers: layers is None or name in layers
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])

@@ -16,10 +16,12 @@ from tests.unit.test_transfer_engine import (
     _device_block,
     _host_block,
     _store_step,
+    fails_at_layer,
     fails_on_block,
 )
 from vllm_cpu_offload.block_transfer import BlockTransfer
 from vllm_cpu_offload.worker.copiers.base import BlockCopier
+from vllm_cpu_offload.worker.copiers.device_streams import Stream
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.transfer_engine import FinishedJobs, TransferEngine
 
@@ -33,7 +35,7 @@ class _StreamGate:
 
     _GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
+    def __init__(self, stream: Stream) -> None:
         self._word = torch.zeros(1, dtype=torch.int32).pin_memory()
         self.opened_by_watchdog = False
         libcuda = ctypes.CDLL("libcuda.so.1")
@@ -178,32 +180,47 @@ def test_cuda_a_launch_failing_at_a_layer_fails_its_job_after_the_queued_ones(
     # The copy of the last layer raises after the first layers' copies were queued on
     # a held stream: the job is broken at once (this step must not trust its loaded
     # blocks) but reported failed, releasing its blocks, only once those copies ran.
+    # No host call waits for the held stream. (On CPU, for every copier:
+    # test_transfer_engine_ordering.py.)
     caches = _caches("cuda")
     names = list(caches)
     host = HostBuffer.for_kv_caches(caches, NUM_HOST_BLOCKS)
     from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
-    # Layers before the last copy; the last raises.
+    # Once armed, the last layer's copy raises. The copier never reads the block ids
+    # on the host: they are on the device, behind the held stream.
+    armed: list[bool] = []
+    last_layer = fails_at_layer(names[-1])
     copier = FailingCopier(
         TritonBlockCopier(caches, host),
-        lambda device_ids, layers: layers is None or names[-1] in layers,
+        lambda device_ids, layers: bool(armed) and last_layer(device_ids, layers),
     )
     engine = TransferEngine(caches, host, copier=copier)
-    engine._layerwise_stores = True
     stream = engine._load_stream if direction == "load" else engine._store_stream
-    # The kernels' module loads at its first launch, which waits for the device.
-    engine.copy_blocks(direction == "store", [2], [3], names[:1])
-    torch.cuda.synchronize()
-    gate = _StreamGate(stream)
-    try:
+
+    def step(job_id: int) -> None:
         if direction == "load":
-            engine.start_loads([BlockTransfer(1, [4], [0])])
+            engine.start_loads([BlockTransfer(job_id, [4], [0])])
             for name in names:
                 engine.wait_for_layer_load(name)
             engine.finish_step()
         else:
-            _store_step(engine, names, [BlockTransfer(1, [4], [0])])
+            _store_step(engine, names, [BlockTransfer(job_id, [4], [0])])
+
+    # The same step ungated first: a kernel's first launch loads its module, which
+    # waits for the device (the gate included), and the ids' pinned memory is cached.
+    step(9)
+    engine.wait_all()
+    assert engine.poll_finished() in (
+        FinishedJobs(loads={9}),
+        FinishedJobs(stores={9}),
+    )
+    armed.append(True)
+    gate = _StreamGate(stream)
+    try:
+        step(1)
         first = engine.poll_finished()
+        assert not gate.opened_by_watchdog, "a host call waited for the held stream"
         assert first == FinishedJobs(broken={1}), first
     finally:
         gate.open()
@@ -319,7 +336,7 @@ def test_cuda_fenced_step_waits_for_the_stores_still_running() -> None:
     for name in caches:
         engine.store_layer(name, stores)
     engine.finish_step()
-    with torch.cuda.stream(engine._store_stream):
+    with engine.streams.using(engine._store_stream):
         torch.cuda._sleep(100_000_000)  # the store stream is still busy
     engine.begin_step()  # the next step: its compute reuses block 4 at once
     first_compute = torch.cuda.Event()

@@ -3,7 +3,8 @@ time. Which copier moves them is `copiers/select.py`'s choice; this module only 
 jobs through a step.
 
 On CUDA, loads run on a high-priority load stream and stores on a store stream, with
-events so that compute waits only for what it reads and never for a store:
+events so that compute waits only for what it reads and never for a store (streams and
+events through `copiers/device_streams.py`, which tests replace with held stand-ins):
 
     call                    what it queues
     ----------------------  -----------------------------------------------------------
@@ -33,8 +34,8 @@ A job whose ids are out of range, or whose copy raises, is reported failed (the
 connector turns that into a recompute); it never raises out of a step or leaves a job
 unreported. A launch that raises at one layer after others were queued fails its jobs
 only once those queued copies have run (`FinishedJobs.broken` until then): a block is
-released only when nothing copies from or into it any more. Imports torch (and, on
-CUDA, triton) only.
+released only when nothing copies from or into it any more. No call waits on the host
+for a copy stream but `wait_all`. Imports torch (and, on CUDA, triton) only.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from vllm_cpu_offload.worker.copiers.base import (
     ids_on_host,
     loads_whole_blocks,
 )
+from vllm_cpu_offload.worker.copiers.device_streams import CudaStreams, Stream, Streams
 from vllm_cpu_offload.worker.copiers.select import (
     Candidate,
     Copiers,
@@ -63,8 +65,8 @@ from vllm_cpu_offload.worker.kv_layout import KVLayout, canonical_layers
 from vllm_cpu_offload.worker.transfer_jobs import (
     Batch,
     FinishedJobs,
-    Pending,
-    StreamThenHost,
+    JobsInFlight,
+    join_jobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,9 @@ class TransferEngine:
             running. Needed when vLLM may reuse a device block of a running request in
             the next step (a sliding-window group releases the blocks that leave its
             window).
+        streams: the streams and events the copies are ordered with; CUDA's on a CUDA
+            device. Tests pass a stand-in (`testing/held_streams.py`) to run the
+            stream path on the CPU platform.
 
     """
 
@@ -100,6 +105,7 @@ class TransferEngine:
         backend: str = "auto",
         candidates: Sequence[Candidate] | None = None,
         fence_stores: bool = False,
+        streams: Streams | None = None,
     ) -> None:
         if not kv_caches:
             raise ValueError("TransferEngine needs at least one KV cache")
@@ -123,7 +129,9 @@ class TransferEngine:
             host_buffer.layouts[n].num_blocks for n in self._layers
         )
         self.device = next(iter(caches.values())).device
-        self.use_streams = self.device.type == "cuda"
+        self.use_streams = streams is not None or self.device.type == "cuda"
+        # Never called on the CPU platform without a stand-in.
+        self.streams = streams or CudaStreams(self.device)
         self.copiers = (
             Copiers(copier, copier)
             if copier is not None
@@ -137,31 +145,24 @@ class TransferEngine:
             self.copiers.stores
         )
 
-        self._failed: set[int] = set()
-        self._broken: set[int] = set()
-        self._finished = FinishedJobs()
-        self._pending: list[Pending] = []
+        self._jobs = JobsInFlight()
         # This step's state.
         self._loads: list[Batch] = []
         self._load_waited: set[str] = set()
         self._stores: dict[tuple[int, ...], Batch] = {}
         if self.use_streams:
-            self._load_stream = torch.cuda.Stream(self.device, priority=-1)
-            self._store_stream = torch.cuda.Stream(self.device)
-            self._background_stream = torch.cuda.Stream(self.device)
-            self._load_events = {n: torch.cuda.Event() for n in self._layers}
+            self._load_stream = self.streams.stream(priority=-1)
+            self._store_stream = self.streams.stream()
+            self._background_stream = self.streams.stream()
+            self._load_events = {n: self.streams.event() for n in self._layers}
 
     # ---- one engine step ----
 
     def begin_step(self) -> None:
         """Before the step's forward: with `fence_stores`, compute waits for running
         stores."""
-        if (
-            self.use_streams
-            and self._fence_stores
-            and any(p.is_store for p in self._pending)
-        ):
-            torch.cuda.current_stream(self.device).wait_stream(self._store_stream)
+        if self.use_streams and self._fence_stores and self._jobs.has_stores:
+            self.streams.current().wait_stream(self._store_stream)
 
     def start_loads(self, jobs: Sequence[BlockTransfer]) -> None:
         """Queues every layer's host->device copy of `jobs` (CPU: copies them now)."""
@@ -169,8 +170,8 @@ class TransferEngine:
         if batch is None:
             return
         self._loads.append(batch)
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._load_stream):
+        compute = self.streams.current()
+        with self.streams.using(self._load_stream):
             # Blocks handed to these loads may still be read by earlier compute work.
             self._load_stream.wait_stream(compute)
             if loads_whole_blocks(self.copiers.loads):
@@ -196,8 +197,8 @@ class TransferEngine:
         batch = self._load_batch(jobs)
         if batch is None:
             return
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._background_stream):
+        compute = self.streams.current()
+        with self.streams.using(self._background_stream):
             # Blocks handed to these loads may still be read by earlier compute work.
             self._background_stream.wait_stream(compute)
             self._launch(self.copiers.loads, False, batch, None)
@@ -210,7 +211,7 @@ class TransferEngine:
         if not self._loads or name in self._load_waited:
             return
         self._load_waited.add(name)
-        torch.cuda.current_stream(self.device).wait_event(self._load_events[name])
+        self.streams.current().wait_event(self._load_events[name])
 
     def store_layer(self, layer_name: str, jobs: Sequence[BlockTransfer]) -> None:
         """Queues this layer's device->host copy of `jobs` behind the compute written so
@@ -228,8 +229,8 @@ class TransferEngine:
         if batch.layer_calls[name] < self._writers[name]:
             return  # another layer still writes this tensor in this step
         batch.layers_done.add(name)
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._store_stream):
+        compute = self.streams.current()
+        with self.streams.using(self._store_stream):
             self._store_stream.wait_stream(compute)
             self._launch(self.copiers.stores, True, batch, [name])
 
@@ -241,9 +242,9 @@ class TransferEngine:
         if not self.use_streams:
             for batch in stores:
                 self._run_sync(True, batch)
-                self._finished.stores.update(batch.job_ids)
+                self._jobs.finished.stores.update(batch.job_ids)
             return
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.streams.current()
         if loads:
             # Layers without a load hook (or a failed launch) still must
             # not race compute.
@@ -253,7 +254,7 @@ class TransferEngine:
         for batch in stores:
             rest = [n for n in self._layers if n not in batch.layers_done]
             if rest and not batch.failed:
-                with torch.cuda.stream(self._store_stream):
+                with self.streams.using(self._store_stream):
                     self._store_stream.wait_stream(compute)
                     layers = None if len(rest) == len(self._layers) else rest
                     self._launch(self.copiers.stores, True, batch, layers)
@@ -261,38 +262,12 @@ class TransferEngine:
 
     def poll_finished(self) -> FinishedJobs:
         """Jobs finished or failed since the last poll. Non-blocking
-        (`event.query()`)."""
-        still: list[Pending] = []
-        for p in self._pending:
-            try:
-                done = p.event.query()
-            except RuntimeError:
-                logger.exception("transfer of jobs %s failed on the device", p.job_ids)
-                self._failed.update(p.job_ids)
-                continue
-            if not done:
-                still.append(p)
-            elif p.failed:
-                self._failed.update(p.job_ids)
-            elif p.is_store:
-                self._finished.stores.update(p.job_ids)
-            else:
-                self._finished.loads.update(p.job_ids)
-        self._pending = still
-        finished, self._finished = self._finished, FinishedJobs()
-        finished.failed, self._failed = self._failed, set()
-        finished.broken, self._broken = self._broken, set()
-        finished.stores -= finished.failed
-        finished.loads -= finished.failed
-        return finished
+        (`Event.query`)."""
+        return self._jobs.poll()
 
     def wait_all(self) -> None:
         """Blocks until every queued copy is done; the next poll reports them."""
-        for p in self._pending:
-            try:
-                p.event.synchronize()
-            except RuntimeError:
-                logger.exception("transfer of jobs %s failed on the device", p.job_ids)
+        self._jobs.wait_all()
 
     # ---- all layers at once, no bookkeeping (CPU paths, benchmarks, tests) ----
 
@@ -326,7 +301,7 @@ class TransferEngine:
         if batch is None or self.use_streams:
             return batch
         self._run_sync(False, batch)
-        self._finished.loads.update(batch.job_ids)
+        self._jobs.finished.loads.update(batch.job_ids)
         return None
 
     def _copier_for(self, to_host: bool) -> BlockCopier:
@@ -344,40 +319,15 @@ class TransferEngine:
         return self._stores[key]
 
     def _batch(self, jobs: Sequence[BlockTransfer]) -> Batch | None:
-        """Validates the jobs (bad ones fail) and joins the valid ones' ids.
-        O(blocks)."""
-        job_ids: list[int] = []
-        device: list[torch.Tensor] = []
-        host: list[torch.Tensor] = []
-        for job in jobs:
-            d = torch.as_tensor(job.device_block_ids, dtype=torch.int64).reshape(-1)
-            h = torch.as_tensor(job.host_block_ids, dtype=torch.int64).reshape(-1)
-            error = self._check(d, h)
-            if error:
-                logger.error("transfer job %d rejected: %s", job.job_id, error)
-                self._failed.add(job.job_id)
-                continue
-            job_ids.append(job.job_id)
-            device.append(d.cpu())
-            host.append(h.cpu())
-        if not job_ids:
-            return None
-        ids = torch.stack([torch.cat(device), torch.cat(host)])
-        sizes = [t.numel() for t in device]
-        if self.use_streams:
-            ids = ids.pin_memory()  # the source of a non-blocking copy to the device
-        return Batch(job_ids, sizes, ids[0], ids[1])
-
-    def _check(self, d: torch.Tensor, h: torch.Tensor) -> str | None:
-        if d.numel() != h.numel():
-            return f"{d.numel()} device blocks but {h.numel()} host slots"
-        if d.numel() == 0:
-            return None
-        if int(d.min()) < 0 or int(d.max()) >= self.num_device_blocks:
-            return f"device block id out of range [0, {self.num_device_blocks})"
-        if int(h.min()) < 0 or int(h.max()) >= self.host.num_slots:
-            return f"host slot id out of range [0, {self.host.num_slots})"
-        return None
+        """The valid jobs joined into one batch (bad ones fail). O(blocks)."""
+        batch, rejected = join_jobs(
+            jobs,
+            self.num_device_blocks,
+            self.host.num_slots,
+            pin=self.device.type == "cuda",
+        )
+        self._jobs.failed.update(rejected)
+        return batch
 
     def _ids(
         self, copier: BlockCopier, batch: Batch
@@ -410,7 +360,7 @@ class TransferEngine:
             # Copies of other layers may be queued already: the jobs are reported
             # failed when the stream has run them (`_track`), broken until then.
             batch.failed = True
-            self._broken.update(batch.job_ids)
+            self._jobs.broken.update(batch.job_ids)
             return False
 
     def _run_sync(self, to_host: bool, batch: Batch) -> None:
@@ -438,18 +388,13 @@ class TransferEngine:
                 ok.append(job_id)
             except Exception:
                 logger.exception("copy of job %d failed", job_id)
-                self._failed.add(job_id)
+                self._jobs.failed.add(job_id)
         batch.job_ids = ok
 
-    def _track(
-        self, stream: torch.cuda.Stream, batch: Batch, *, is_store: bool
-    ) -> None:
+    def _track(self, stream: Stream, batch: Batch, *, is_store: bool) -> None:
         """The batch's jobs end when what `stream` queued so far has run, a failed
         batch's too: a launch that raised at one layer leaves the layers before it
-        queued, still reading or writing the jobs' blocks."""
-        event = torch.cuda.Event()
+        queued, still reading or writing the jobs' blocks. Polled, never waited for."""
+        event = self.streams.event()
         event.record(stream)
-        done = StreamThenHost(event, batch.host_work) if batch.host_work else event
-        self._pending.append(
-            Pending(done, batch.job_ids, is_store, [batch], failed=batch.failed)
-        )
+        self._jobs.track(event, batch, is_store=is_store)

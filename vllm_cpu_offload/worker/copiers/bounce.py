@@ -35,6 +35,7 @@ from concurrent import futures
 import torch
 
 from vllm_cpu_offload.worker.copiers.base import BlockCopier, HostWork, ids_on_host
+from vllm_cpu_offload.worker.copiers.device_streams import CudaStreams, Streams
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 
 # Pinned memory of one bounce buffer: 128 of Llama-3-8B's 2 MiB blocks (16 tokens) per
@@ -51,6 +52,8 @@ class BounceBlockCopier:
     `make_inner` builds the copier of the device hop over the bounce buffer; the bounce
     buffer is pinned where CUDA is available (`pin`, default) and holds `bounce_blocks`
     blocks (default: `BOUNCE_BYTES` worth, at least 1, at most the tier's size).
+    `streams` order the copies; CUDA's on a CUDA device, none on the CPU platform but
+    a test's stand-ins (`testing/held_streams.py`).
     """
 
     ids_on_host = True
@@ -64,6 +67,7 @@ class BounceBlockCopier:
         *,
         bounce_blocks: int | None = None,
         pin: bool | None = None,
+        streams: Streams | None = None,
     ) -> None:
         blocks = bounce_blocks or max(1, BOUNCE_BYTES // host.block_bytes)
         self._host = host
@@ -71,6 +75,9 @@ class BounceBlockCopier:
         self._inner = make_inner(kv_caches, self._bounce)
         self._device = next(iter(kv_caches.values())).device
         self._on_cuda = self._device.type == "cuda"
+        self._order: Streams | None = streams
+        if self._on_cuda:
+            self._order = streams or CudaStreams(self._device)
         self._inner_ids_device = (
             torch.device("cpu")
             if not self._on_cuda or ids_on_host(self._inner)
@@ -82,7 +89,7 @@ class BounceBlockCopier:
         )
         # The last load's device hop: the bounce rows are free once it has run. Until
         # a load records it, waiting on it returns at once.
-        self._read_done = torch.cuda.Event() if self._on_cuda else None
+        self._read_done = self._order.event() if self._order is not None else None
         # Stores' host hops, in order, on one thread of their own; the last one queued
         # holds the bounce rows until it is done.
         self._hops = futures.ThreadPoolExecutor(1, thread_name_prefix="kv-bounce")
@@ -119,14 +126,14 @@ class BounceBlockCopier:
     ) -> futures.Future[None]:
         slots = self._slots[: d.numel()]
         self._wait_for_hop()
-        if self._read_done is not None:
+        if self._order is not None and self._read_done is not None:
             # A load queued on another stream may still read these rows.
-            torch.cuda.current_stream(self._device).wait_event(self._read_done)
+            self._order.current().wait_event(self._read_done)
         self._inner.copy(True, self._for_inner(d), slots, layers)
         event = None
-        if self._on_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._device))
+        if self._order is not None:
+            event = self._order.event()
+            event.record(self._order.current())
         pairs = self._row_views(layers, words=True)
         count = d.numel()
 
@@ -149,8 +156,8 @@ class BounceBlockCopier:
         for tier, bounce in self._row_views(layers, words=False):
             torch.index_select(tier, 0, h, out=bounce[: d.numel()])
         self._inner.copy(False, self._for_inner(d), slots, layers)
-        if self._read_done is not None:
-            self._read_done.record(torch.cuda.current_stream(self._device))
+        if self._order is not None and self._read_done is not None:
+            self._read_done.record(self._order.current())
 
     def _wait_for_hop(self) -> None:
         """Blocks until the last store's host hop has read the bounce rows. Its failure

@@ -3,7 +3,8 @@
 `cudaMemcpyBatchAsync` (CUDA 12.8+) queues many scattered copies on the copy engines in
 one call; `cudaMemcpy2DAsync` queues one pitched copy (rows of one width at fixed
 strides on both sides), which a copy engine runs as a single descriptor. Both reach the
-runtime that torch itself loaded. Imports torch only.
+runtime that torch itself loaded. `CopyEngines` is what the copiers use of them, which
+tests replace with a stand-in (`testing/held_streams.py`). Imports torch only.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+from typing import Protocol
 
 import torch
 
@@ -31,6 +33,39 @@ class MemcpyAttributes(ctypes.Structure):
         ("dst_loc_hint", MemLocation),
         ("flags", ctypes.c_uint),
     ]
+
+
+class CopyEngines(Protocol):
+    """The copy calls of `CudaRuntime` the copiers make; `stream` is a stream's
+    `cuda_stream` handle."""
+
+    @property
+    def available(self) -> bool: ...
+
+    @property
+    def why_unavailable(self) -> str: ...
+
+    def memcpy_batch(
+        self,
+        dsts: torch.Tensor,
+        srcs: torch.Tensor,
+        sizes: torch.Tensor,
+        attrs: MemcpyAttributes,
+        stream: int,
+    ) -> None: ...
+
+    def memcpy_2d(
+        self,
+        dst: int,
+        dpitch: int,
+        src: int,
+        spitch: int,
+        width: int,
+        height: int,
+        stream: int,
+    ) -> None: ...
+
+    def max_pitch(self, device: int) -> int: ...
 
 
 class CudaRuntime:

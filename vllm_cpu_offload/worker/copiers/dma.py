@@ -22,6 +22,9 @@ a launch forks over up to `NUM_STREAMS` streams of its own and joins them back i
 caller's stream. Measured on an H100 (PCIe 5.0 x16), 64 KiB runs: 1 / 4 / 8 streams move
 56 / 81 / 90% of a plain pinned memcpy (`benchmarks/transfer.py --run-sweep`).
 
+On the CPU platform the same class runs with stand-ins for the runtime and the streams
+(`testing/held_streams.py`): how its tables and ordering are tested without a GPU.
+
 Imports torch only (the CUDA runtime through ctypes).
 """
 
@@ -31,7 +34,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from vllm_cpu_offload.worker.copiers.cuda_runtime import cuda_runtime
+from vllm_cpu_offload.worker.copiers.cuda_runtime import CopyEngines, cuda_runtime
+from vllm_cpu_offload.worker.copiers.device_streams import (
+    CudaStreams,
+    Stream,
+    Streams,
+)
 from vllm_cpu_offload.worker.copiers.streams import (
     copy_attributes,
     forked,
@@ -99,19 +107,29 @@ class DmaBlockCopier:
     `kv_caches` holds the layers that own a host slot. Launches go to the current stream
     (forked over the copier's own streams and joined back). Block ids are int64 tensors
     on the host (`ids_on_host`), validated by the caller. `copy` raises if the runtime
-    rejects a copy (the engine fails those jobs).
+    rejects a copy (the engine fails those jobs). `runtime` and `streams` default to
+    CUDA's (tests: stand-ins).
     """
 
     ids_on_host = True
 
-    def __init__(self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer) -> None:
-        runtime = cuda_runtime()
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        host: HostBuffer,
+        *,
+        runtime: CopyEngines | None = None,
+        streams: Streams | None = None,
+    ) -> None:
+        runtime = runtime or cuda_runtime()
         if not runtime.available:
             raise RuntimeError(runtime.why_unavailable)
-        if not host.pinned and not host.tensor.is_cuda:
+        self._device = next(iter(kv_caches.values())).device
+        on_cuda = self._device.type == "cuda"
+        if on_cuda and not host.pinned and not host.tensor.is_cuda:
             raise RuntimeError("DMA block copies need a pinned host buffer")
         self._runtime = runtime
-        self._device = next(iter(kv_caches.values())).device
+        self._order = streams or CudaStreams(self._device)
         index = self._device.index if self._device.index is not None else 0
         max_pitch = runtime.max_pitch(index)
         self._groups = [
@@ -127,7 +145,7 @@ class DmaBlockCopier:
         # calls reuse them.
         self._cached: list[tuple[torch.Tensor, torch.Tensor, list[_Tables]]] = []
         # The runtime refuses batches on the legacy default stream; these never are.
-        self._streams = [torch.cuda.Stream(self._device) for _ in range(NUM_STREAMS)]
+        self._streams = [self._order.stream() for _ in range(NUM_STREAMS)]
 
     @property
     def pitched(self) -> bool:
@@ -166,13 +184,11 @@ class DmaBlockCopier:
             count, lambda used: queue_batches(self._runtime, attrs, batches, used)
         )
 
-    def _fork(
-        self, count: int, queue: Callable[[list[torch.cuda.Stream]], None]
-    ) -> None:
+    def _fork(self, count: int, queue: Callable[[list[Stream]], None]) -> None:
         """Runs `queue` over as many of the copier's streams as `count` copies fill."""
         num_streams = max(1, min(len(self._streams), count // MIN_COPIES_PER_STREAM))
         used = self._streams[:num_streams]
-        with forked(used, self._device):
+        with forked(used, self._order):
             queue(used)
 
     def _pitched(
@@ -180,7 +196,7 @@ class DmaBlockCopier:
         to_host: bool,
         device_ids: torch.Tensor,
         host_ids: torch.Tensor,
-        used: list[torch.cuda.Stream],
+        used: list[Stream],
     ) -> None:
         memcpy_2d = self._runtime.memcpy_2d
         handles = [s.cuda_stream for s in used]

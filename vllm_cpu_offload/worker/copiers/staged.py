@@ -25,8 +25,9 @@ halves).
 
 On the CPU platform there is nothing to gain, but the same class runs there (torch
 copies for the device hop, `memmove` for the other), which is how its addressing is
-tested without a GPU. Imports torch only (triton through the kernel copier, when
-chosen).
+tested without a GPU; given stand-ins for the runtime and the streams
+(`testing/held_streams.py`), its stream path runs there too, which is how its ordering
+is. Imports torch only (triton through the kernel copier, when chosen).
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from vllm_cpu_offload.worker.copiers.base import BlockCopier, ids_on_host
-from vllm_cpu_offload.worker.copiers.cuda_runtime import cuda_runtime
+from vllm_cpu_offload.worker.copiers.cuda_runtime import CopyEngines, cuda_runtime
+from vllm_cpu_offload.worker.copiers.device_streams import (
+    CudaStreams,
+    Event,
+    Streams,
+)
 from vllm_cpu_offload.worker.copiers.dma import DmaBlockCopier
 from vllm_cpu_offload.worker.copiers.streams import (
     copy_attributes,
@@ -59,17 +65,21 @@ class _Lane:
     """One direction's staging halves, streams and device-hop copier."""
 
     def __init__(
-        self, inner: BlockCopier, slots: torch.Tensor, device: torch.device
+        self,
+        inner: BlockCopier,
+        slots: torch.Tensor,
+        device: torch.device,
+        order: Streams | None,
     ) -> None:
         self.inner = inner
         self.slots = slots  # [2, chunk_blocks] on the host: the slots of each half
         # The same ids where the device hop reads them (on the device for the kernels).
         on_host = ids_on_host(inner) or device.type != "cuda"
         self.inner_slots = slots if on_host else slots.to(device)
-        if device.type == "cuda":
-            self.gather_stream = torch.cuda.Stream(device)
-            self.hop_streams = [torch.cuda.Stream(device) for _ in range(HOP_STREAMS)]
-            self.last_use = [torch.cuda.Event(), torch.cuda.Event()]
+        if order is not None:
+            self.gather_stream = order.stream()
+            self.hop_streams = [order.stream() for _ in range(HOP_STREAMS)]
+            self.last_use = [order.event(), order.event()]
 
 
 class StagedBlockCopier:
@@ -79,6 +89,8 @@ class StagedBlockCopier:
     Block ids are int64 tensors on the host (`ids_on_host`). Launches go to the current
     stream (forked over the lane's streams and joined back), like the other copiers.
     `whole_block_loads` tells the transfer engine to load every layer in one call.
+    `runtime` and `streams` are CUDA's on a CUDA device; tests pass stand-ins to run
+    the stream path on the CPU platform (copy-engine gather only).
     """
 
     ids_on_host = True
@@ -91,6 +103,8 @@ class StagedBlockCopier:
         *,
         chunk_blocks: int = CHUNK_BLOCKS,
         gather: str = "dma",
+        runtime: CopyEngines | None = None,
+        streams: Streams | None = None,
     ) -> None:
         if chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
@@ -99,15 +113,18 @@ class StagedBlockCopier:
                 f"gather {gather!r} is not known; choose one of: {', '.join(GATHERS)}"
             )
         self._device = next(iter(kv_caches.values())).device
-        self._cuda = self._device.type == "cuda"
+        # Copies go on streams: on CUDA, or on a test's stand-ins.
+        self._order: Streams | None = None
+        if streams is not None or self._device.type == "cuda":
+            self._order = streams or CudaStreams(self._device)
         self.chunk_blocks = chunk_blocks
         self._host = host
         self.staging = HostBuffer(
             host.layouts, 4 * chunk_blocks, pin=False, device=self._device
         )
         self._direct: BlockCopier
-        if self._cuda:
-            self._direct = self._cuda_direct(kv_caches, host)
+        if self._order is not None:
+            self._direct = self._streamed_direct(kv_caches, host, runtime)
         else:
             self._direct = TorchBlockCopier(kv_caches, host, threads=1)
         slots = torch.arange(4 * chunk_blocks, dtype=torch.int64).view(
@@ -115,34 +132,40 @@ class StagedBlockCopier:
         )
         self._lanes = {
             to_host: _Lane(
-                self._device_hop(kv_caches, gather), lane_slots, self._device
+                self._device_hop(kv_caches, gather),
+                lane_slots,
+                self._device,
+                self._order,
             )
             for to_host, lane_slots in zip((True, False), slots, strict=True)
         }
 
-    def _cuda_direct(
-        self, kv_caches: Mapping[str, torch.Tensor], host: HostBuffer
+    def _streamed_direct(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        host: HostBuffer,
+        runtime: CopyEngines | None,
     ) -> BlockCopier:
-        runtime = cuda_runtime()
+        runtime = runtime or cuda_runtime()
         if not runtime.available:
             raise RuntimeError(runtime.why_unavailable)
-        if not host.pinned:
+        if self._device.type == "cuda" and not host.pinned:
             raise RuntimeError("staged block copies need a pinned host buffer")
         self._runtime = runtime
         index = self._device.index if self._device.index is not None else 0
         # In the PCIe hop, the staging buffer is the "device" side, the host
         # buffer the host.
         self._attrs = copy_attributes(index)
-        return DmaBlockCopier(kv_caches, host)
+        return DmaBlockCopier(kv_caches, host, runtime=runtime, streams=self._order)
 
     def _device_hop(
         self, kv_caches: Mapping[str, torch.Tensor], gather: str
     ) -> BlockCopier:
         """A copier between the caches and the staging buffer, with streams of its own.
 
-        On CPU, "dma" stands for torch copies; "kernel" runs in Triton's interpreter
-        only."""
-        if not self._cuda and gather == "dma":
+        Without streams (the CPU platform), "dma" stands for torch copies; "kernel"
+        runs in Triton's interpreter only."""
+        if self._order is None and gather == "dma":
             return TorchBlockCopier(kv_caches, self.staging, threads=1)
         if gather == "kernel":
             # Triton is imported only where its kernels are asked for: the CPU
@@ -150,7 +173,9 @@ class StagedBlockCopier:
             from vllm_cpu_offload.worker.copiers.triton_kernels import TritonBlockCopier
 
             return TritonBlockCopier(kv_caches, self.staging)
-        inner = DmaBlockCopier(kv_caches, self.staging)
+        inner = DmaBlockCopier(
+            kv_caches, self.staging, runtime=self._runtime, streams=self._order
+        )
         if not inner.pitched:
             raise RuntimeError("a copy-engine gather needs a layer-compact KV layout")
         return inner
@@ -184,13 +209,13 @@ class StagedBlockCopier:
         self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor
     ) -> None:
         n = d.numel()
-        if not self._cuda:
+        if self._order is None:
             lane.inner.copy(True, d, lane.inner_slots[half, :n])
             self._hop(lane, True, h, lane.slots[half, :n])
             return
-        gathered = torch.cuda.Event()
+        gathered = self._order.event()
         lane.gather_stream.wait_event(lane.last_use[half])
-        with torch.cuda.stream(lane.gather_stream):
+        with self._order.using(lane.gather_stream):
             self._device_hop_copy(lane, True, half, d)
         gathered.record(lane.gather_stream)
         self._hop(
@@ -206,16 +231,16 @@ class StagedBlockCopier:
         self, lane: _Lane, half: int, d: torch.Tensor, h: torch.Tensor
     ) -> None:
         n = d.numel()
-        if not self._cuda:
+        if self._order is None:
             self._hop(lane, False, h, lane.slots[half, :n])
             lane.inner.copy(False, d, lane.inner_slots[half, :n])
             return
-        landed = torch.cuda.Event()
+        landed = self._order.event()
         self._hop(
             lane, False, h, lane.slots[half, :n], after=lane.last_use[half], done=landed
         )
         lane.gather_stream.wait_event(landed)
-        with torch.cuda.stream(lane.gather_stream):
+        with self._order.using(lane.gather_stream):
             self._device_hop_copy(lane, False, half, d)
         lane.last_use[half].record(lane.gather_stream)
 
@@ -233,8 +258,8 @@ class StagedBlockCopier:
         to_host: bool,
         host_ids: torch.Tensor,
         slots: torch.Tensor,
-        after: torch.cuda.Event | None = None,
-        done: torch.cuda.Event | None = None,
+        after: Event | None = None,
+        done: Event | None = None,
     ) -> None:
         """Whole blocks between staging `slots` and host blocks `host_ids`: one run per
         block, runs that continue each other on both sides merged."""
@@ -243,7 +268,7 @@ class StagedBlockCopier:
         hosted = self._host.tensor.data_ptr() + host_ids * size
         staged, hosted, sizes = merge_runs(staged, hosted, size)
         dsts, srcs = (hosted, staged) if to_host else (staged, hosted)
-        if not self._cuda:
+        if self._order is None:
             for dst, src, nbytes in zip(
                 dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True
             ):
@@ -255,7 +280,7 @@ class StagedBlockCopier:
             stream.wait_event(after)
         queue_batches(self._runtime, self._attrs[to_host], [(dsts, srcs, sizes)], used)
         for stream in used[1:]:
-            joined = torch.cuda.Event()
+            joined = self._order.event()
             joined.record(stream)
             used[0].wait_event(joined)
         done.record(used[0])
@@ -263,6 +288,6 @@ class StagedBlockCopier:
     def _forked(self, lane: _Lane) -> AbstractContextManager[None]:
         """The lane's streams start after, and end before, the current stream's later
         work."""
-        if not self._cuda:
+        if self._order is None:
             return nullcontext()
-        return forked([lane.gather_stream, *lane.hop_streams], self._device)
+        return forked([lane.gather_stream, *lane.hop_streams], self._order)

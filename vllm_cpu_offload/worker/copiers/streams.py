@@ -5,7 +5,9 @@
   split over streams;
 - `merge_runs`: runs that continue each other on both sides joined into one.
 
-Imports torch only (the CUDA runtime through ctypes).
+Streams and the runtime come through `device_streams.py` and `cuda_runtime.py`'s
+protocols, which tests replace with stand-ins. Imports torch only (the CUDA runtime
+through ctypes).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from contextlib import contextmanager
 import torch
 
 from vllm_cpu_offload.worker.copiers.cuda_runtime import (
-    CudaRuntime,
+    CopyEngines,
     MemcpyAttributes,
     MemLocation,
 )
+from vllm_cpu_offload.worker.copiers.device_streams import Stream, Streams
 
 # cudaMemcpySrcAccessOrderStream: the source is read in stream
 # order, like cudaMemcpyAsync.
@@ -45,13 +48,11 @@ def copy_attributes(
 
 
 @contextmanager
-def forked(
-    streams: Sequence[torch.cuda.Stream], device: torch.device
-) -> Iterator[None]:
+def forked(streams: Sequence[Stream], order: Streams) -> Iterator[None]:
     """Side `streams` start after the current stream's work so far, and its later work
     waits for them, also when the body raises (no copy is left running behind the
     caller)."""
-    current = torch.cuda.current_stream(device)
+    current = order.current()
     for stream in streams:
         stream.wait_stream(current)
     try:
@@ -62,10 +63,10 @@ def forked(
 
 
 def queue_batches(
-    runtime: CudaRuntime,
+    runtime: CopyEngines,
     attrs: MemcpyAttributes,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    streams: Sequence[torch.cuda.Stream],
+    streams: Sequence[Stream],
 ) -> None:
     """Queues each (dsts, srcs, sizes) batch of copies split evenly over `streams`."""
     for dst, src, sizes in batches:
