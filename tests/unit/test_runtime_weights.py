@@ -5,6 +5,7 @@ next report carries the change to the scheduler half."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_reload_weights_seals_the_store_before_the_weights_change(
     )
     runner = SimpleNamespace(reload_weights=lambda: order.append("reloaded"))
     worker = SimpleNamespace(vllm_config=VllmConfig(), model_runner=runner)
-    Worker.reload_weights(worker)
+    Worker.reload_weights(cast(Worker, worker))  # what the method reads of it
     assert order == ["sealed", "reloaded"]
     report = tier.take_report()
     assert report is not None and "reload_weights" in str(report.weights_changed)
