@@ -158,3 +158,24 @@ def test_an_eagle_drop_with_a_window_group_looks_for_the_shorter_hit_again() -> 
     # Window blocks 2 and 3 too: 5 blocks are servable.
     hold(engine, request, 1, range(2, 4))
     assert engine.tier.get_num_new_matched_tokens(request, 0) == 5 * BS
+
+
+def test_the_dropped_last_block_of_an_eagle_style_hit_is_not_a_use() -> None:
+    # The policy hears of the blocks a hit serves, not of the one it recomputes:
+    # block 2, dropped, is no more recent for the lookup than before it.
+    engine = _with_drafter(_speculative("eagle"))
+    _stored(engine, list(range(12)) + [50, 51])
+    heard: list[Any] = []
+    policy = engine.tier.pool.policy
+    real = policy.on_access
+
+    def on_access(blocks: list[Any]) -> None:
+        heard.extend(block.key for block in blocks)
+        real(blocks)
+
+    policy.on_access = on_access  # type: ignore[method-assign]
+    other = _request("c", list(range(12)) + [77, 78])
+    assert engine.tier.get_num_new_matched_tokens(other, 0) == 2 * BS
+    assert sorted(heard, key=str) == sorted(
+        [(0, other.block_hashes[0]), (0, other.block_hashes[1])], key=str
+    )

@@ -91,11 +91,12 @@ class HostBlockPool:
 
     # ----- lookups and loads -----
 
-    def count_hits(self, keys: Sequence[BlockKey]) -> int:
+    def count_hits(self, keys: Sequence[BlockKey], *, use: bool = True) -> int:
         """Length of the longest prefix of `keys` whose blocks are READY. O(hits).
 
-        The hits count as a use for the policy, touched deepest first so that an
-        ancestor is always at least as recent as its descendants.
+        The hits count as a use for the policy (`use`; else the caller `touch`es
+        those it takes), touched deepest first so that an ancestor is always at least
+        as recent as its descendants.
         """
         hits: list[HostBlock] = []
         append = hits.append
@@ -106,7 +107,7 @@ class HostBlockPool:
             if block is None or block.state is not ready:
                 break
             append(block)
-        if hits:
+        if hits and use:
             hits.reverse()
             self.policy.on_access(hits)
             if self._doomed:

@@ -82,6 +82,8 @@ class LoadPlanning:
                     hbs, remote_hbs = (
                         (hbs, remote_hbs - 1) if remote_hbs else (hbs - 1, 0)
                     )
+                    keys = self._keys(0, request.block_hashes, first_hb, first_hb + hbs)
+                    self.pool.touch(keys)
                 else:  # looked up again: a window group needs the blocks before it
                     end_hb = first_hb + hbs + remote_hbs - 1
                     hbs, remote_hbs = self._hits(state, first_hb, end_hb)
@@ -125,7 +127,12 @@ class LoadPlanning:
             return 0, 0
         hashes, k = state.request.block_hashes, self.blocks_per_host_block
         if self._single_full_group:
-            hbs = self.pool.count_hits(self._keys(0, hashes, first_hb, last_hb))
+            # An EAGLE-style hit's last block is dropped after: the caller touches
+            # the blocks it keeps.
+            hbs = self.pool.count_hits(
+                self._keys(0, hashes, first_hb, last_hb),
+                use=not self.drafter_tail_is_volatile,
+            )
         else:
             hbs = longest_hit(
                 self.groups,
