@@ -168,7 +168,7 @@ def test_tenants_share_the_budget_fairly() -> None:
     assert pool.state_of(x1[0]) is BlockState.READY and not _pinned(pool, x1)
     assert _pinned(pool, x2) and _pinned(pool, y)
     x3 = _store(pool, "xxx", 2)
-    retention.retain(x3, "x", 20)  # x at its share trims its own due last
+    retention.retain(x3, "x", 20)  # x at its share gives up its own due last
     assert _pinned(pool, x3) and _pinned(pool, y) and not _pinned(pool, x2)
     x4 = _store(pool, "xxxx", 2)
     retention.retain(x4, "x", 40)  # due after x3: the new one waits, no room left
