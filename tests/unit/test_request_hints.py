@@ -164,19 +164,19 @@ def test_tenants_share_the_budget_fairly() -> None:
     retention.retain(x2, "x", 30)  # x holds the whole budget: no one else asks
     assert retention.stats.retained_blocks == 4
     y = _store(pool, "y", 2)
-    retention.retain(y, "y", 90)  # under its fair share (2): takes x's due last
+    retention.retain(y, "y", 90)  # x past its share (2): y trims x's due last
     assert pool.state_of(x1[0]) is BlockState.READY and not _pinned(pool, x1)
     assert _pinned(pool, x2) and _pinned(pool, y)
     x3 = _store(pool, "xxx", 2)
-    retention.retain(x3, "x", 20)  # x at its fair share gives up its own due last
+    retention.retain(x3, "x", 20)  # x at its share gives up its own due last
     assert _pinned(pool, x3) and _pinned(pool, y) and not _pinned(pool, x2)
     x4 = _store(pool, "xxxx", 2)
     retention.retain(x4, "x", 40)  # due after x3: the new one waits, no room left
     assert _pinned(pool, x3) and not _pinned(pool, x4)
     z = _store(pool, "z", 4)
-    retention.retain(z, "z", 60)  # a newcomer past its share (4 // 3) gets that
-    assert retention.stats.retained_blocks <= 4
-    assert _pinned(pool, z[:1]) and not _pinned(pool, z[1:])
+    retention.retain(z, "z", 60)  # x and y hold their shares (4 // 2): z gets none
+    assert retention.stats.retained_blocks == 4
+    assert _pinned(pool, x3) and _pinned(pool, y) and not _pinned(pool, z[:1])
     retention.check_invariants()
 
 

@@ -9,46 +9,44 @@ finishes are pinned as their stores complete. Retains of sessions that share a p
 while any retain holds it. Bounds:
 - all retains together hold at most `budget` distinct blocks (`retain_share` of the
   tier);
-- tenants (`cache_salt`) share the budget fairly. A tenant's fair share is the budget
-  over the tenants retaining, but never less than the budget over `FLOOR_TENANTS`
-  (at least one block): the salt is the client's own, so one client can retain under
-  as many salts as it likes, and a share that shrank with their number would leave
-  every later tenant none. When the budget is full, a tenant whose new retain keeps
-  it within its share takes room from the tenant that holds the most if that one is
-  past its share, and otherwise from the retain due last (the latest deadline) of the
-  other tenants; a tenant past its share gives up its own retains due after the new
-  one, which then keeps the room left or, if more, its blocks up to the share. Due
-  last, not oldest: a client's retain time says when it comes back, and giving up the
-  retain read furthest ahead keeps the others until they are read, where giving up
-  the oldest would, with more sessions than room, give up each retain just before its
-  read (measured: benchmarks/agent_hints.py);
-- a retain larger than the room left keeps its first blocks (a prefix is read from
-  the front), and a retain stops at the first block the pool does not hold (a hit
-  stops there too).
+- tenants (`cache_salt`) share the budget: a tenant's share is the budget over the
+  tenants holding retains, counted up to `MAX_SHARERS` (two): all of it while it is
+  alone, half of it beside any number of others. A tenant within its share never loses
+  a retained block to another tenant's retain. The count stops at two because the salt
+  is the client's own: a share that shrank with the number of tenants would let one
+  client minting a salt per retain cut every other tenant down to nothing, and half is
+  what a tenant keeps against one other tenant, so a thousand salts take from it no
+  more than one could;
+- a new retain gets the room left; then, while its tenant stays within its share, the
+  excess of the tenant that holds the most, while that one is past its share, trimmed
+  from the end of that tenant's retain due last down to its share: a prefix is read
+  from the front, so the blocks it keeps stay a hit, and nothing past the excess is
+  taken; then its tenant's own retains due after it, given up whole, due last first
+  (the tenant's own choice between its sessions; trimming them instead measured worse,
+  1.54 / 1.04 against 1.73 / 1.19 on hint_replay.py's agent workload at 4k / 8k).
+  Due last, not oldest: with more sessions than room, giving up the retain read
+  furthest ahead keeps the others until they are read, where giving up the oldest
+  would give up each retain just before its read (measured: benchmarks/agent_hints.py).
+  When no other tenant is past its share, the new retain keeps only what fits (its
+  first blocks; none if no room is left);
+- a retain stops at the first block the pool does not hold (a hit stops there too).
 
-What this guarantees, when a tenant retains: the new retain is kept up to the blocks
-that bring its tenant's holding (the blocks its retains name) to its fair share, so at
-least `budget // FLOOR_TENANTS` (or one), whatever the others hold and however many
-tenants exist (different tenants' blocks are apart: vLLM hashes the salt into a
-request's first block). A client minting a fresh salt per retain is as many tenants and
-can take what they could: all the room the others leave free, and from the others only
-this: it brings a tenant past its share back to the share (that tenant's retains due
-last first) and, while no tenant is past its share, gives up another tenant's retain
-only if that one is the due last of all retains held but the new retain's tenant's (its
-other salts' included). So a retain that keeps its tenant within the floor is never
-refused or cut, however many salts exist; squatting with long retains gives up the
-squatter's own first; and to give up another's retain the squatter must hold only
-retains due no later, which end no later (expired unread unless made again).
+What this guarantees: a tenant keeps, of what it retains, at least `budget //
+MAX_SHARERS` blocks (all when less) until its retains end, whatever the others retain
+and however many salts they mint; that is what it keeps against one other tenant. The
+price: beyond two tenants, room goes to the first to retain (a tenant within its share
+is not cut), and a client minting salts can fill the room left until its retains end.
 
 A retain ends when a later request reads its last block, from host memory or the
 device's prefix cache (the client came back; a read of a prefix it shares with other
 sessions does not end it); when its time passes (counted unread); when a store of one of
 its blocks fails; on `done` of its session, and on cache resets. Its blocks are then
 unpinned deepest first, so that a policy that keeps order evicts them leaves first.
-Every call is O(blocks it names), plus O(log tenants + log retains) amortised per retain
-given up for room: the tenant that holds the most, and each tenant's retain due last,
-are found through lazy heaps (an entry whose value has changed is skipped when met, and
-a heap of mostly such entries is rebuilt), so no call walks the tenants.
+Every call is O(blocks it names), plus O(log tenants + log retains) amortised per
+block trimmed or retain given up for room: the tenant that holds the most, and each
+tenant's retain due last, are found through lazy heaps (an entry whose value has
+changed is skipped when met, and a heap of mostly such entries is rebuilt), so no call
+walks the tenants.
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,23 +63,20 @@ from vllm_cpu_offload.scheduler.manager import HostTierManager
 from vllm_cpu_offload.scheduler.tier_seams import NoRetention
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
 
-# The fair share stops shrinking at a sixteenth of the budget: up to 16 tenants share
-# it exactly, which covers the salts of honest deployments (one per tenant or user
-# group), and past them each is still sure of room for a few long prefixes however
-# many salts a client mints. Larger would shrink what each is sure of; smaller would
-# promise more than the budget holds as soon as a few tenants retain, which they would
-# then take from each other's retains.
-FLOOR_TENANTS = 16
+# The share is the budget over the tenants holding retains, counted up to this many.
+# Two, because tenants are told apart by a salt the client picks: past two, a share
+# that kept shrinking with their number would shrink with the salts one client mints.
+MAX_SHARERS = 2
 
 Tenant = str | None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Retain:
     rid: int
     tenant: Tenant
     deadline: float
-    keys: list[BlockKey]  # in prefix order
+    keys: list[BlockKey]  # in prefix order; room is trimmed from the end
 
 
 class Retention(NoRetention):
@@ -105,16 +100,15 @@ class Retention(NoRetention):
         self._pinned: set[BlockKey] = set()  # held keys pinned in the pool
         self._by_last: dict[BlockKey, set[int]] = {}  # key -> retains it ends
         self._deadlines: list[tuple[float, int]] = []
-        # tenant -> its retains; the blocks they hold; a heap of (-deadline, rid) of
-        # its retains, due last first (entries of ended retains are skipped lazily)
+        # tenant -> its retains; the keys they hold, each with how many of them name
+        # it (so its length is the distinct blocks the tenant holds); a heap of
+        # (-deadline, rid) of its retains, due last first (ended ones skipped lazily)
         self._tenants: dict[Tenant, set[int]] = {}
-        self._usage: dict[Tenant, int] = {}
+        self._held: dict[Tenant, dict[BlockKey, int]] = {}
         self._due_last: dict[Tenant, list[tuple[float, int]]] = {}
-        # Over the tenants, lazily as above: (-usage, push order, tenant), the one that
-        # holds the most first; (-deadline, rid) of each tenant's due last, the latest
-        # first. An entry is pushed on each change; one whose value changed is skipped.
-        self._by_usage: list[tuple[int, int, Tenant]] = []
-        self._by_due_last: list[tuple[float, int]] = []
+        # (-blocks held, push order, tenant), the one that holds the most first; an
+        # entry is pushed on each change, one whose count changed is skipped.
+        self._by_holding: list[tuple[int, int, Tenant]] = []
         self._pushes = itertools.count()
         self._next_rid = 0
 
@@ -130,32 +124,36 @@ class Retention(NoRetention):
 
     def retain(self, keys: Sequence[BlockKey], tenant: Tenant, seconds: float) -> None:
         """Keeps `keys` (a request's blocks, in prefix order) for `seconds`, up to the
-        first the pool does not hold."""
+        first the pool does not hold, as far as room is found for them."""
         state_of = self.pool.state_of
         held = list(itertools.takewhile(lambda k: state_of(k) is not None, keys))
         deadline = self.clock() + seconds
-        room = self._make_room(
-            tenant, sum(k not in self._holders for k in held), deadline
-        )
-        # Keep the first blocks that fit, counted again: a retain given up for room
-        # may have held some of them, which are new now.
-        fits, taken = 0, 0
-        while fits < len(held) and (held[fits] in self._holders or taken < room):
-            taken += held[fits] not in self._holders
+        self._make_room(tenant, held, deadline)
+        # Keep the first blocks that fit, counted again: a retain trimmed for room may
+        # have held some of them, which are new now.
+        fits, room = 0, self._room()
+        while fits < len(held) and (held[fits] in self._holders or room > 0):
+            room -= held[fits] not in self._holders
             fits += 1
         held = held[:fits]
         if not held:
             return
         entry = _Retain(self._next_rid, tenant, deadline, held)
         self._next_rid += 1
+        self._retains[entry.rid] = entry
+        counts = self._held.setdefault(tenant, {})
         for key in held:
             holders = self._holders.setdefault(key, set())
             holders.add(entry.rid)
+            counts[key] = counts.get(key, 0) + 1
             if len(holders) == 1 and state_of(key) is BlockState.READY:
                 self.pool.pin([key])
                 self._pinned.add(key)
         self._by_last.setdefault(held[-1], set()).add(entry.rid)
-        self._add(entry)
+        self._tenants.setdefault(tenant, set()).add(entry.rid)
+        heapq.heappush(self._deadlines, (deadline, entry.rid))
+        heapq.heappush(self._due_last.setdefault(tenant, []), (-deadline, entry.rid))
+        self._push_holding(tenant)
         self.stats.retained_blocks = len(self._holders)
 
     def stored(self, keys: Sequence[BlockKey], success: bool) -> None:
@@ -206,8 +204,16 @@ class Retention(NoRetention):
         for entry in list(self._retains.values()):
             self._release(entry)
         self._deadlines.clear()
-        self._by_usage.clear()
-        self._by_due_last.clear()
+        self._by_holding.clear()
+
+    def share(self, tenant: Tenant) -> int:
+        """The blocks `tenant` may hold against the others, were it to retain now."""
+        sharers = len(self._tenants) + (tenant not in self._tenants)
+        return max(self.budget // min(sharers, MAX_SHARERS), 1)
+
+    def holding(self, tenant: Tenant) -> int:
+        """The distinct blocks `tenant`'s retains hold."""
+        return len(self._held.get(tenant, ()))
 
     def check_invariants(self) -> None:
         assert len(self._holders) <= self.budget
@@ -216,23 +222,26 @@ class Retention(NoRetention):
             assert rids and all(key in self._retains[r].keys for r in rids)
         for key in self._pinned:
             assert self.pool.state_of(key) is BlockState.READY, key
-        assert self._usage.keys() == self._due_last.keys() == self._tenants.keys()
+        assert self._held.keys() == self._due_last.keys() == self._tenants.keys()
         assert self._retains.keys() <= {rid for _, rid in self._deadlines}
-        usages = {(t, -negative) for negative, _, t in self._by_usage}
-        due_lasts = {rid for _, rid in self._by_due_last}
+        holdings = {(t, -negative) for negative, _, t in self._by_holding}
+        for entry in self._retains.values():
+            assert entry.keys and entry.rid in self._by_last[entry.keys[-1]]
+        for key, rids in self._by_last.items():
+            assert rids and all(self._retains[r].keys[-1] == key for r in rids)
         for tenant, retains in self._tenants.items():
-            assert self._usage[tenant] == sum(
-                len(self._retains[r].keys) for r in retains
-            )
+            counts: dict[BlockKey, int] = {}
+            for rid in retains:
+                assert self._retains[rid].tenant == tenant
+                for key in self._retains[rid].keys:
+                    counts[key] = counts.get(key, 0) + 1
+            assert counts == self._held[tenant]
             assert retains <= {rid for _, rid in self._due_last[tenant]}
-            assert (tenant, self._usage[tenant]) in usages  # found as the most
-            due_last = min(retains, key=lambda r: (-self._retains[r].deadline, r))
-            assert due_last in due_lasts
+            assert (tenant, self.holding(tenant)) in holdings  # found as the most
         heaps: list[tuple[Sequence[tuple[object, ...]], int]]
         heaps = [
             (self._deadlines, len(self._retains)),
-            (self._by_usage, len(self._tenants)),
-            (self._by_due_last, len(self._tenants)),
+            (self._by_holding, len(self._tenants)),
         ]
         heaps += [(h, len(self._tenants[t])) for t, h in self._due_last.items()]
         for heap, live in heaps:  # in heap order, and not mostly ended entries
@@ -240,46 +249,49 @@ class Retention(NoRetention):
 
     # ---- room ----
 
-    def _make_room(self, tenant: Tenant, wanted: int, deadline: float) -> int:
-        """Gives up retains until `wanted` new blocks of `tenant`, due at `deadline`,
-        fit, fairly; how many fit."""
-        wanted = min(wanted, self.budget)
-        while len(self._holders) + wanted > self.budget and self._retains:
-            fair = self._fair_share(tenant)
-            mine = self._usage.get(tenant, 0)
-            if mine + wanted <= fair:
-                victim = self._room_within_share(tenant, fair)
-            else:
-                victim = self._due_last_of(tenant) if tenant in self._tenants else None
-                if victim is None or victim.deadline <= deadline:
-                    # The new retain is its tenant's due last: it keeps the room
-                    # left or, if more, its blocks up to the share, taken as above.
-                    if fair - mine <= self.budget - len(self._holders):
-                        break
-                    wanted = fair - mine
-                    continue
-            if victim is None:
-                break
-            self._release(victim)
-        return max(0, min(wanted, self.budget - len(self._holders)))
+    def _make_room(self, tenant: Tenant, keys: list[BlockKey], deadline: float) -> None:
+        """Trims retains until the blocks of `keys` no retain holds fit, or no more
+        may be taken: first the excess of the tenants past their share (counted with
+        `tenant`), while `tenant` stays within its own; then `tenant`'s own retains
+        due after `deadline`."""
+        wanted = set(keys)
+        need = min(sum(k not in self._holders for k in keys), self.budget)
+        share, mine = self.share(tenant), self.holding(tenant)
+        while need > self._room() and mine + self._room() < share:
+            most = self._most_holding()
+            if most is None or most == tenant or self.holding(most) <= share:
+                break  # no other tenant is past its share: none gives room
+            while self.holding(most) > share and need > self._room():
+                if mine + self._room() >= share:
+                    break
+                need += self._trim(self._due_last_of(most)) in wanted
+            self._push_holding(most)
+        while need > self._room() and tenant in self._tenants:
+            own = self._due_last_of(tenant)
+            if own.deadline <= deadline:
+                break  # the new retain is its tenant's due last: it keeps what fits
+            need += self._release(own, wanted)
 
-    def _room_within_share(self, tenant: Tenant, fair: int) -> _Retain | None:
-        """The retain a tenant within its share takes room from: the due last of the
-        tenant that holds the most, if that one is past its share, else the due last
-        of the other tenants."""
-        most = self._most_holding()
-        if most is not None and self._usage[most] > fair:
-            return self._due_last_of(most)
-        return self._due_last_of_others(tenant)
+    def _room(self) -> int:
+        return self.budget - len(self._holders)
 
-    def _fair_share(self, tenant: Tenant) -> int:
-        tenants = len(self._tenants) + (tenant not in self._tenants)
-        return max(self.budget // tenants, self.budget // FLOOR_TENANTS, 1)
+    def _trim(self, entry: _Retain) -> BlockKey | None:
+        """Takes `entry`'s last block from it, ending it with its first: the key, if
+        no retain holds it any more. O(log) amortised."""
+        key = entry.keys.pop()
+        self._unlist_last(entry, key)
+        freed = key if self._unhold(entry, key) else None
+        if entry.keys:
+            self._by_last.setdefault(entry.keys[-1], set()).add(entry.rid)
+        else:
+            self._end(entry)
+        self.stats.retained_blocks = len(self._holders)
+        return freed
 
     def _most_holding(self) -> Tenant | None:
-        heap = self._by_usage
-        while heap and self._usage.get(heap[0][2]) != -heap[0][0]:
-            heapq.heappop(heap)  # its usage has changed since, or it left
+        heap = self._by_holding
+        while heap and self.holding(heap[0][2]) != -heap[0][0]:
+            heapq.heappop(heap)  # its holding has changed since, or it left
         return heap[0][2] if heap else None
 
     def _due_last_of(self, tenant: Tenant) -> _Retain:
@@ -288,63 +300,14 @@ class Retention(NoRetention):
             heapq.heappop(heap)
         return self._retains[heap[0][1]]
 
-    def _due_last_of_others(self, tenant: Tenant) -> _Retain | None:
-        heap = self._by_due_last
-        own: tuple[float, int] | None = None  # the tenant's own, set aside
-        while heap:
-            entry = self._retains.get(heap[0][1])
-            if entry is None or self._due_last_of(entry.tenant) is not entry:
-                heapq.heappop(heap)  # ended, or no longer its tenant's due last
-            elif entry.tenant == tenant:
-                own = heapq.heappop(heap)
-            else:
-                break
-        found = self._retains[heap[0][1]] if heap else None
-        if own is not None:
-            heapq.heappush(heap, own)
-        return found
-
-    # ---- keeping count ----
-
-    def _add(self, entry: _Retain) -> None:
-        tenant = entry.tenant
-        self._retains[entry.rid] = entry
-        self._tenants.setdefault(tenant, set()).add(entry.rid)
-        self._usage[tenant] = self._usage.get(tenant, 0) + len(entry.keys)
-        heapq.heappush(self._deadlines, (entry.deadline, entry.rid))
-        heapq.heappush(
-            self._due_last.setdefault(tenant, []), (-entry.deadline, entry.rid)
-        )
-        if self._due_last_of(tenant) is entry:
-            heapq.heappush(self._by_due_last, (-entry.deadline, entry.rid))
-        self._push_usage(tenant)
-        self._compact()
-
-    def _push_usage(self, tenant: Tenant) -> None:
-        if tenant in self._usage:
-            heapq.heappush(
-                self._by_usage, (-self._usage[tenant], next(self._pushes), tenant)
-            )
-
-    def _compact(self) -> None:
-        """Rebuilds each heap over all retains or tenants that is mostly ended
-        entries (`_rebuild_if_stale`)."""
+    def _push_holding(self, tenant: Tenant) -> None:
+        if tenant in self._held:
+            entry = (-self.holding(tenant), next(self._pushes), tenant)
+            heapq.heappush(self._by_holding, entry)
         _rebuild_if_stale(
-            self._by_usage,
-            len(self._usage),
-            lambda: [(-u, next(self._pushes), t) for t, u in self._usage.items()],
-        )
-        _rebuild_if_stale(
-            self._by_due_last,
-            len(self._tenants),
-            lambda: [
-                (-(d := self._due_last_of(t)).deadline, d.rid) for t in self._tenants
-            ],
-        )
-        _rebuild_if_stale(
-            self._deadlines,
-            len(self._retains),
-            lambda: [(r.deadline, r.rid) for r in self._retains.values()],
+            self._by_holding,
+            len(self._held),
+            lambda: [(-len(h), next(self._pushes), t) for t, h in self._held.items()],
         )
 
     # ---- ending a retain ----
@@ -352,49 +315,62 @@ class Retention(NoRetention):
     def _ending_at(self, keys: Sequence[BlockKey]) -> set[int]:
         return {rid for key in keys for rid in self._by_last.get(key, ())}
 
-    def _release(self, entry: _Retain) -> None:
+    def _release(self, entry: _Retain, wanted: Container[BlockKey] = ()) -> int:
         """Ends `entry`; its blocks no other retain holds are unpinned, deepest
-        first."""
-        was_due_last = self._due_last_of(entry.tenant) is entry
-        self._retains.pop(entry.rid)
+        first. Returns how many of them are in `wanted`."""
+        self._unlist_last(entry, entry.keys[-1])
+        freed = 0
         for key in reversed(entry.keys):
-            holders = self._holders[key]
-            holders.discard(entry.rid)
-            if not holders:
-                del self._holders[key]
-                if key in self._pinned:
-                    self._pinned.discard(key)
-                    self.pool.unpin([key])
-        ending = self._by_last[entry.keys[-1]]
+            freed += self._unhold(entry, key) and key in wanted
+        self._end(entry)
+        self._push_holding(entry.tenant)
+        self.stats.retained_blocks = len(self._holders)
+        return freed
+
+    def _unlist_last(self, entry: _Retain, key: BlockKey) -> None:
+        ending = self._by_last[key]
         ending.discard(entry.rid)
         if not ending:
-            del self._by_last[entry.keys[-1]]
-        self._uncount(entry, was_due_last)
-        self.stats.retained_blocks = len(self._holders)
+            del self._by_last[key]
 
-    def _uncount(self, entry: _Retain, was_due_last: bool) -> None:
-        """Takes an ended `entry` off its tenant's count and the heaps, rebuilding a
-        heap that holds mostly ended entries."""
+    def _unhold(self, entry: _Retain, key: BlockKey) -> bool:
+        """Takes `entry`'s hold of `key` off the counts; True if no retain holds it
+        now (then it is unpinned)."""
+        counts = self._held[entry.tenant]
+        counts[key] -= 1
+        if not counts[key]:
+            del counts[key]
+        holders = self._holders[key]
+        holders.discard(entry.rid)
+        if holders:
+            return False
+        del self._holders[key]
+        if key in self._pinned:
+            self._pinned.discard(key)
+            self.pool.unpin([key])
+        return True
+
+    def _end(self, entry: _Retain) -> None:
+        """Forgets `entry`, whose blocks are unheld, rebuilding a heap that holds
+        mostly ended entries."""
+        self._retains.pop(entry.rid)
         tenant = entry.tenant
         retains = self._tenants[tenant]
         retains.discard(entry.rid)
-        self._usage[tenant] -= len(entry.keys)
-        heap = self._due_last[tenant]
         if not retains:
-            del self._tenants[tenant]
-            del self._usage[tenant]
-            del self._due_last[tenant]
+            assert not self._held[tenant], tenant
+            del self._tenants[tenant], self._held[tenant], self._due_last[tenant]
         else:
             _rebuild_if_stale(
-                heap,
+                self._due_last[tenant],
                 len(retains),
                 lambda: [(-self._retains[r].deadline, r) for r in retains],
             )
-            if was_due_last:  # the tenant's next one is its due last now
-                due_last = self._due_last_of(tenant)
-                heapq.heappush(self._by_due_last, (-due_last.deadline, due_last.rid))
-        self._push_usage(tenant)
-        self._compact()
+        _rebuild_if_stale(
+            self._deadlines,
+            len(self._retains),
+            lambda: [(r.deadline, r.rid) for r in self._retains.values()],
+        )
 
 
 def _rebuild_if_stale(
