@@ -11,7 +11,7 @@ the settings ask for (`layers.py`), which plug into them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
@@ -126,6 +126,10 @@ class OffloadSpec:
         )
         for layer in self.layers:
             layer.attach_scheduler(scheduler)
+        if not self.vllm_config.cache_config.enable_prefix_caching:
+            # vLLM serves no cached context here: neither does the tier.
+            logger.warning(prefix_caching_off_notice(self.vllm_config))
+            scheduler.hashes_hold = _never
         return scheduler
 
     def build_worker(self) -> HostTierWorker:
@@ -162,3 +166,29 @@ class OffloadSpec:
         for layer in self.layers:
             layer.pool_built(pool)
         return pool
+
+
+def _never(request: object) -> bool:
+    return False
+
+
+def prefix_caching_off_notice(vllm_config: Any) -> str:
+    """The start-up line of a tier that serves nothing because vLLM turned prefix
+    caching off (by the platform, or the user)."""
+    model = vllm_config.model_config
+    why = "--no-enable-prefix-caching"
+    if getattr(model, "use_mla", False) and current_platform_is_cpu():
+        why = (
+            "vLLM's CPU platform turns it off for MLA models unless its AMX MLA "
+            "backend runs: it does not trust the CPU MLA backend with cached context"
+        )
+    return (
+        f"CPU offload: vLLM has prefix caching off ({why}), so the host tier serves "
+        "no hits and stores nothing; run with prefix caching on to use it"
+    )
+
+
+def current_platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())

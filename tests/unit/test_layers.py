@@ -86,3 +86,28 @@ def test_a_setting_no_layer_serves_is_refused_before_the_engine(
     bad = OffloadConfig(swap_space_gib=1, remote_url="redis://h:1/?nope=1")
     with pytest.raises(OffloadConfigError, match="nope"):
         layers.check_settings(bad, ("swap_space_path", "remote_url"))
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["user", "platform"])
+def test_where_vllm_turned_prefix_caching_off_the_tier_serves_nothing(
+    tiny_model: str, mla: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM's CPU platform turns prefix caching off for MLA models without its AMX
+    # backend (it does not trust the CPU MLA backend with cached context), and a
+    # user may turn it off: the tier then neither loads nor stores, and says why.
+    from types import SimpleNamespace
+
+    from vllm_cpu_offload import spec as spec_module
+
+    config = with_connector(vllm_config(tiny_model))
+    config.cache_config.enable_prefix_caching = False
+    monkeypatch.setattr(type(config.model_config), "use_mla", mla)
+    lines: list[str] = []
+    monkeypatch.setattr(spec_module.logger, "warning", lines.append)
+    scheduler = OffloadSpec(config, one_layer_kv_config()).build_scheduler()
+    assert not scheduler.hashes_hold(SimpleNamespace(lora_request=None))
+    assert len(lines) == 1 and "prefix caching off" in lines[0]
+    assert ("MLA" in lines[0]) == mla
+    config.cache_config.enable_prefix_caching = True
+    scheduler = OffloadSpec(config, one_layer_kv_config()).build_scheduler()
+    assert scheduler.hashes_hold(SimpleNamespace(lora_request=None))
