@@ -166,14 +166,14 @@ def test_the_dropped_last_block_of_an_eagle_style_hit_is_not_a_use() -> None:
     engine = _with_drafter(_speculative("eagle"))
     _stored(engine, list(range(12)) + [50, 51])
     heard: list[Any] = []
-    policy = engine.tier.pool.policy
+    policy = engine.pool.policy
     real = policy.on_access
 
     def on_access(blocks: list[Any]) -> None:
         heard.extend(block.key for block in blocks)
         real(blocks)
 
-    policy.on_access = on_access  # type: ignore[method-assign]
+    policy.on_access = on_access  # type: ignore[method-assign,assignment]
     other = _request("c", list(range(12)) + [77, 78])
     assert engine.tier.get_num_new_matched_tokens(other, 0) == 2 * BS
     assert sorted(heard, key=str) == sorted(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -97,6 +97,8 @@ def test_where_vllm_turned_prefix_caching_off_the_tier_serves_nothing(
     # user may turn it off: the tier then neither loads nor stores, and says why.
     from types import SimpleNamespace
 
+    from vllm.v1.request import Request
+
     from vllm_cpu_offload import spec as spec_module
 
     config = with_connector(vllm_config(tiny_model))
@@ -105,9 +107,10 @@ def test_where_vllm_turned_prefix_caching_off_the_tier_serves_nothing(
     lines: list[str] = []
     monkeypatch.setattr(spec_module.logger, "warning", lines.append)
     scheduler = OffloadSpec(config, one_layer_kv_config()).build_scheduler()
-    assert not scheduler.hashes_hold(SimpleNamespace(lora_request=None))
+    request = cast(Request, SimpleNamespace(lora_request=None))
+    assert not scheduler.hashes_hold(request)
     assert len(lines) == 1 and "prefix caching off" in lines[0]
     assert ("MLA" in lines[0]) == mla
     config.cache_config.enable_prefix_caching = True
     scheduler = OffloadSpec(config, one_layer_kv_config()).build_scheduler()
-    assert scheduler.hashes_hold(SimpleNamespace(lora_request=None))
+    assert scheduler.hashes_hold(request)
