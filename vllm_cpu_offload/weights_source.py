@@ -77,7 +77,9 @@ def loaded_weights(model_config: Any, load_config: Any) -> LoadedWeights:
         return _tensorizer(load_config.model_loader_extra_config)
     if fmt not in CHECKPOINT_LOADERS | LOCAL_ONLY_LOADERS:
         return LoadedWeights(
-            None, f"the weights --load-format {fmt} loads", "name them with weights_id"
+            None,
+            f"the weights --load-format {fmt} loads",
+            "load a checkpoint at --model",
         )
     local = Path(source).exists()
     if fmt in LOCAL_ONLY_LOADERS and not local:
