@@ -35,8 +35,10 @@ def _without_the_built_length(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _weights_by_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # Weights named by where they are, not by what the files hold.
+    from vllm_cpu_offload import weights_source
+
     monkeypatch.setattr(
-        kv_identity_module,
+        weights_source,
         "weights_identity",
         lambda model, download_dir: f"files:{model.model}",
     )

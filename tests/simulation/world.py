@@ -41,11 +41,14 @@ from __future__ import annotations
 
 import contextlib
 import random
+import secrets
 import shutil
 import subprocess
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -68,6 +71,9 @@ from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 from vllm_cpu_offload import lora_identity
 from vllm_cpu_offload.scheduler.drafter_layer import DrafterLayer
 from vllm_cpu_offload.scheduler.shared_tier import SharedTier
+
+# What a process reads of an adapter's files (the world gives each engine its own view).
+_READ_ADAPTER = lora_identity._contents_of
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -150,8 +156,11 @@ class Engine:
     # Whether the last schedule preempted a request.
     preempted: bool = False
     # What this engine's process worked out of the LoRA adapter (`lora_identity`):
-    # each engine is a process of its own.
+    # each engine is a process of its own, with its own token, and sees the
+    # adapter's files of its own host (what it first read of them).
     lora_keys: dict[Any, Any] = field(default_factory=dict)
+    lora_contents: dict[str, str] = field(default_factory=dict)
+    process_token: str = field(default_factory=lambda: secrets.token_hex(8))
 
     @property
     def tier(self) -> Any:
@@ -433,9 +442,22 @@ class World:
             self._act_in_process(engine)
 
     @staticmethod
-    def _in_process(engine: Engine) -> Any:
-        """While open, block hashes are made as `engine`'s own process makes them."""
-        return mock.patch.object(lora_identity, "_keys", engine.lora_keys)
+    @contextmanager
+    def _in_process(engine: Engine) -> Iterator[None]:
+        """While open, block hashes are made as `engine`'s own process makes them,
+        with the adapter files of its own host."""
+
+        def contents(path: str) -> str:
+            if path not in engine.lora_contents:
+                engine.lora_contents[path] = _READ_ADAPTER(path)
+            return engine.lora_contents[path]
+
+        with (
+            mock.patch.object(lora_identity, "_adapters", engine.lora_keys),
+            mock.patch.object(lora_identity, "_contents_of", contents),
+            mock.patch.object(lora_identity, "_PROCESS_TOKEN", engine.process_token),
+        ):
+            yield
 
     def _act_in_process(self, engine: Engine) -> None:
 
