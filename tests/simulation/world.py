@@ -959,10 +959,14 @@ class World:
         tier.retention.release_all()
         left["pinned once retains end"] = tier.pool.num_pinned
         if self.drafter:
-            # A drafter group stored but never loaded (every hit then recomputed)
-            # shows here; a load that skipped it shows as wrong drafter slots. The
-            # counts may differ: the pool evicts each group's blocks apart, and a
-            # load of several groups that misses one fails whole.
+            # A tier whose loads leave the drafter group out (vLLM then recomputes
+            # it, or reads wrong drafter slots, which the oracle sees) shows here.
+            # The counts may differ: the pool evicts each group's blocks apart, and
+            # a load of several groups that misses one fails whole. A load planned
+            # short of a group's block (no host block for it: no room, or the
+            # admission policy refused it) loads nothing and counts nothing; one
+            # that fails after its plan (a fetch that did not arrive, a copy fault)
+            # counts every group's blocks.
             loaded = tier.stats.loaded_by_group
             left["model blocks loaded, no drafter block"] = (
                 loaded[0] > 0 and loaded[1] == 0

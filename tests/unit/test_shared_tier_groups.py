@@ -244,6 +244,24 @@ def test_a_hit_that_gets_no_host_block_for_a_window_block_fails_whole() -> None:
     assert len(engine.store.asked) == asked
 
 
+def test_a_hit_that_fails_whole_at_planning_counts_nothing_loaded() -> None:
+    # As above: the full group's 6 blocks are in the pool, one window block gets a host
+    # block and the other none. The worker loads nothing and fails the request, so no
+    # group's blocks count as loaded (the per-group counters would show a group loaded
+    # without the other) and no token as a hit; the window block fetched still counts.
+    engine = Engine(host_blocks=7)
+    request = _request("a")
+    engine.host(request, 0, range(6))
+    engine.remote(request, 1, range(4, 6))
+    _, async_load = engine.admit(request)
+    assert async_load is not None and async_load.whole and async_load.unloadable
+    engine.fetched(async_load.load.job_id, [True])
+    stats = engine.tier.stats
+    assert stats.loaded_by_group == Counter() and stats.loaded_blocks == 0
+    assert stats.hit_tokens == stats.remote_hit_tokens == 0
+    assert stats.remote_fetched_blocks == 1
+
+
 def test_every_groups_stored_blocks_are_written_through() -> None:
     # A prefill stores 6 blocks of each group; one write-through names all 12, each
     # under its group's key, from the host blocks the store copies into.

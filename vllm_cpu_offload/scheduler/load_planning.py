@@ -344,6 +344,8 @@ class LoadPlanning:
         whole = len(self.groups) > 1
         if whole and missed:
             state.remote_failed = True  # the load fails: do not ask again
+        else:
+            self._count_async_load(state, num_external_tokens, end, pairs, missed)
         job = self._new_job("async", request.request_id, host_keys)
         self._jobs[job].fetched = fetched
         state.async_job = job
@@ -359,27 +361,41 @@ class LoadPlanning:
             )
         )
         state.planned_upto = max(state.planned_upto, end)
-        loaded_to = min((blocks[0] for _, blocks in missed), default=end)
-        self._count_async_hit(state, num_external_tokens, end, loaded_to)
-        self.stats.loaded_blocks += len(device_ids)
 
     def _pairs(
         self,
         device_block_ids: Sequence[Sequence[int]],
         pairs: list[tuple[int, list[int], int]],
     ) -> tuple[list[int], list[int]]:
-        """The device blocks and host slots of (group, blocks, host block) triples,
-        counted per group."""
+        """The device blocks and host slots of (group, blocks, host block) triples."""
         k = self.blocks_per_host_block
         device_ids: list[int] = []
         slots: list[int] = []
-        loaded = self.stats.loaded_by_group
         for group_id, blocks, host_id in pairs:
             ids = device_block_ids[group_id]
             device_ids += [ids[j] for j in blocks]
             slots += [host_id * k + j % k for j in blocks]
-            loaded[group_id] += len(blocks)
         return device_ids, slots
+
+    def _count_async_load(
+        self,
+        state: RequestState,
+        num_external_tokens: int,
+        end: int,
+        pairs: list[tuple[int, list[int], int]],
+        missed: list[tuple[int, list[int]]],
+    ) -> None:
+        """Counts the blocks (per group) and hit tokens of an async load that loads
+        its `pairs`, up to its first `missed` block. Not called for a load of several
+        groups short of a block: that one loads nothing (the worker fails its request
+        and vLLM recomputes it), so the blocks of the groups it did get are not loaded
+        blocks, nor its tokens hits."""
+        loaded = self.stats.loaded_by_group
+        for group_id, blocks, _ in pairs:
+            loaded[group_id] += len(blocks)
+            self.stats.loaded_blocks += len(blocks)
+        loaded_to = min((blocks[0] for _, blocks in missed), default=end)
+        self._count_async_hit(state, num_external_tokens, end, loaded_to)
 
     def _count_async_hit(
         self, state: RequestState, num_external_tokens: int, end: int, loaded_to: int
