@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from vllm_cpu_offload import native_policies
+from vllm_cpu_offload import native_policies, native_policy_adapter
 from vllm_cpu_offload.native_policies import EvictionPolicyAdapter
 from vllm_cpu_offload.scheduler.policies.base import HostBlock
 
@@ -196,7 +196,7 @@ def test_a_parent_the_request_loaded_is_linked_by_its_end() -> None:
     store(manager, b, first=1)
     held = adapter_of(manager)._held
     linked_at_once = held[key("S.B1")].parent is held[key("S")]
-    assert linked_at_once == native_policies._SEES_ACCESSES
+    assert linked_at_once == native_policy_adapter._SEES_ACCESSES
     manager.on_request_finished(b.context)
     assert held[key("S.B1")].parent is held[key("S")]
     assert held[key("S")].num_children == 1
@@ -239,18 +239,24 @@ def test_a_store_never_evicts_the_keys_it_offers(policy: str) -> None:
 
 
 def test_a_failed_evict_puts_its_choices_back() -> None:
-    # prefix_aware has one leaf to give (L1) but is asked for two: it gives none, and
-    # both chains stay whole and evictable.
+    # L0.L1 is being loaded, so prefix_aware keeps L0 (its parent) and has one block
+    # to give (M0), where vLLM counts two: the store fails and changes nothing.
     manager = make_manager(3, "PrefixAwareCachePolicy")
-    store(manager, Request("L0.L1"))
-    req = Request("K0")
-    store(manager, req)
-    manager.prepare_load(req.keys, req.context)
+    chain = Request("L0.L1")
+    store(manager, chain)
+    store(manager, Request("M0"))
+    manager.prepare_load(chain.keys[1:], chain.context)
     big = Request("N0.N1")
+    assert manager._num_evictable_cache_chunks == 2
     assert manager.prepare_store(big.keys, big.context) is None
+    assert manager._num_evictable_cache_chunks == 2
+    held = adapter_of(manager)._held
+    assert sorted(held) == sorted([key("L0"), key("L0.L1"), key("M0")])
+    assert held[key("L0.L1")].parent is held[key("L0")]
     adapter_of(manager).check_invariants()
-    manager.complete_load(req.keys, req.context)
-    assert sorted(store(manager, big)) == sorted([key("K0"), key("L0.L1")])
+    manager.complete_load(chain.keys[1:], chain.context)
+    evicted = store(manager, big)
+    assert len(evicted) == 2 and (key("L0") not in evicted or key("L0.L1") in evicted)
     adapter_of(manager).check_invariants()
 
 
