@@ -22,7 +22,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import cast
 
-from .policies.base import BlockKey, BlockState, EvictionPolicy, HostBlock
+from .policies.base import (
+    BlockKey,
+    BlockState,
+    EvictionPolicy,
+    HostBlock,
+    attach_child,
+    cut_from_chain,
+)
 from .pool_events import PersistenceListener, PoolEvent
 
 __all__ = ["BlockKey", "BlockState", "HostBlockPool", "PoolEvent"]
@@ -232,7 +239,7 @@ class HostBlockPool:
                 if gap_above:  # a free block is never an orphan: `_release` clears it
                     block.orphan = True
                 if prev is not None:
-                    self._attach_child(prev, block)
+                    attach_child(prev, block)
                 held[key] = block
                 inserted.append(block)
                 add((key, block.block_id))
@@ -318,7 +325,7 @@ class HostBlockPool:
             block.key = key
             block.orphan = parent_key is not None and parent is None
             if parent is not None:
-                self._attach_child(parent, block)
+                attach_child(parent, block)
             self._by_key[key] = block
             # One at a time, oldest first: the policy's recency follows
             # the tier's history.
@@ -426,17 +433,6 @@ class HostBlockPool:
             return False
         return self._evict_one(evicted)
 
-    @staticmethod
-    def _attach_child(parent: HostBlock, block: HostBlock) -> None:
-        """Links `block` as `parent`'s newest child."""
-        block.parent = parent
-        sibling = parent.first_child
-        if sibling is not None:
-            block.next_sibling = sibling
-            sibling.prev_sibling = block
-        parent.first_child = block
-        parent.num_children += 1
-
     def _spare(self, used: Sequence[HostBlock]) -> None:  # read again: not doomed
         for block in used:
             self._doomed.pop(block.block_id, None)
@@ -467,28 +463,8 @@ class HostBlockPool:
         if self._persistence is not None:
             self._persistence.clear(block.block_id)
         del self._by_key[block.key]
-        parent = block.parent
-        if parent is not None:
-            if block.prev_sibling is None:
-                parent.first_child = block.next_sibling
-            else:
-                block.prev_sibling.next_sibling = block.next_sibling
-            if block.next_sibling is not None:
-                block.next_sibling.prev_sibling = block.prev_sibling
-            parent.num_children -= 1
-            if parent.num_children == 0:
-                self.policy.on_leaf(parent)
-        child = block.first_child
-        while child is not None:
-            following = child.next_sibling
-            child.parent = child.next_sibling = child.prev_sibling = None
-            child.orphan = True
-            self.policy.on_orphaned(child)
-            child = following
-        block.key = block.parent = block.first_child = None
-        block.next_sibling = block.prev_sibling = None
-        block.num_children = 0
-        block.orphan = False
+        cut_from_chain(block, self.policy)
+        block.key = None
         self._free.append(block)
 
 

@@ -313,3 +313,48 @@ class EvictionPolicy(ABC):
     def reset(self) -> None:  # noqa: B027 - optional hook
         """Forget history that outlives blocks (ghost lists, clocks). Lists are empty
         here."""
+
+
+def attach_child(parent: HostBlock, block: HostBlock) -> None:
+    """Links `block` as `parent`'s newest child. O(1).
+
+    The policy is not told: a block that gains a child stays where it is listed, and a
+    chain-aware policy finds it has children when it reaches the head of its list.
+    """
+    block.parent = parent
+    sibling = parent.first_child
+    if sibling is not None:
+        block.next_sibling = sibling
+        sibling.prev_sibling = block
+    parent.first_child = block
+    parent.num_children += 1
+
+
+def cut_from_chain(block: HostBlock, policy: EvictionPolicy) -> None:
+    """Unlinks a block that leaves its holder from its parent and its children.
+
+    Its parent hears `on_leaf` if this was its last child; each child becomes an orphan
+    (`on_orphaned`). O(1) plus O(1) per child.
+    """
+    parent = block.parent
+    if parent is not None:
+        if block.prev_sibling is None:
+            parent.first_child = block.next_sibling
+        else:
+            block.prev_sibling.next_sibling = block.next_sibling
+        if block.next_sibling is not None:
+            block.next_sibling.prev_sibling = block.prev_sibling
+        parent.num_children -= 1
+        if parent.num_children == 0:
+            policy.on_leaf(parent)
+    child = block.first_child
+    while child is not None:
+        following = child.next_sibling
+        child.parent = child.next_sibling = child.prev_sibling = None
+        child.orphan = True
+        policy.on_orphaned(child)
+        child = following
+    block.parent = block.first_child = None
+    block.next_sibling = block.prev_sibling = None
+    block.num_children = 0
+    block.orphan = False
