@@ -107,6 +107,10 @@ class EvictionPolicyAdapter(CachePolicy):
         super().__init__(cache_capacity)
         self._policy: EvictionPolicy = make_policy(self.policy_name, cache_capacity)
         self._held: dict[OffloadKey, _HeldChunk] = {}
+        # Blocks that left, reused by later inserts: a block links to itself while
+        # unlisted, so one dropped would wait for the cycle collector, and a run that
+        # makes them by the thousand pays for full collections of the whole heap.
+        self._spare: list[_HeldChunk] = []
         # Blocks whose stores finished since the policy last heard of anything: told
         # in one batch, deepest first (vLLM completes a store's keys in set order).
         self._finished_stores: list[_HeldChunk] = []
@@ -140,7 +144,14 @@ class EvictionPolicyAdapter(CachePolicy):
         assert key not in self._held, f"{key!r} is already held"
         assert chunk.ref_cnt <= 0, f"{key!r} is inserted while being loaded"
         self._tell_pending()
-        block = _HeldChunk(chunk)
+        if self._spare:
+            block = self._spare.pop()
+            block.block_id = chunk.chunk_id
+            block.chunk = chunk
+            block.position = 0
+            block.state = BlockState.STORING
+        else:
+            block = _HeldChunk(chunk)
         block.key = key
         context = req_context if req_context is not None else self._store_context
         if context is not None:
@@ -247,6 +258,7 @@ class EvictionPolicyAdapter(CachePolicy):
             key = cast(OffloadKey, block.key)
             del self._held[key]
             block.key = None
+            self._spare.append(block)
             evicted.append((key, block.chunk))
         self._unshield(shielded)
         return evicted
@@ -389,3 +401,4 @@ class EvictionPolicyAdapter(CachePolicy):
         """Forgets a block the policy no longer lists; its children become orphans."""
         cut_from_chain(block, self._policy)
         block.key = None
+        self._spare.append(block)
