@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test command: lint, type check, then every test on real vLLM (CPU platform). With no
 # arguments it then runs vLLM 0.32.0's own test suite with the plugin loaded
-# (tests/vllm_suite), the package against vLLM 0.33.0 (scripts/test_vllm033.sh) and its
-# upstream form, the patch series against vLLM 0.33.0 (scripts/test_upstream.sh; it runs in
-# the 0.33.0 stage's environment, so it comes after that stage).
+# (tests/vllm_suite), the package against vLLM 0.33.0 (scripts/test_vllm033.sh) and the
+# upstream series, patches to vLLM 0.33.0's own KV offloading (scripts/test_upstream.sh; it
+# runs in the 0.33.0 stage's environment, so it comes after that stage).
 # Arguments go to pytest and run only what they name. Each stage prints its minutes: CI's
 # budget is 90 minutes, and the full run is meant to take 40 on a 2-core machine with AMX.
 set -euo pipefail
@@ -16,10 +16,7 @@ took() {
 }
 bash scripts/setup_env.sh
 PY="${VENV:-.venv}/bin/python"
-"$PY" -m ruff check vllm_cpu_offload vllm_cpu_offload_hook.py setup.py tests benchmarks \
-  scripts/make_upstream_series.py scripts/upstream_stack.py
-# The tests too: CUDA-only tests never run in CI, so a call their code makes to an API
-# that changed fails here or nowhere.
+"$PY" -m ruff check vllm_cpu_offload vllm_cpu_offload_hook.py setup.py tests benchmarks
 "$PY" -m mypy vllm_cpu_offload vllm_cpu_offload_hook.py tests
 took "set-up, ruff and mypy"
 # The whole suite runs in two pytest-xdist processes, a test file to each at a time (its
@@ -41,6 +38,6 @@ took "vLLM 0.32.0's own tests"
 echo "== vLLM 0.33.0"
 bash scripts/test_vllm033.sh
 took "vLLM 0.33.0"
-echo "== the upstream form: patch series against vLLM 0.33.0"
+echo "== the upstream series: patches to vLLM 0.33.0's KV offloading"
 bash scripts/test_upstream.sh
-took "the upstream form"
+took "the upstream series"

