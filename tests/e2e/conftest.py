@@ -35,6 +35,14 @@ MAX_MODEL_LEN = 512
 def script_result(module: str, *args: str, env: dict[str, str], timeout: float) -> Any:
     """Runs `python -m module args` in a fresh process; returns the JSON of its RESULT
     line."""
+    return script_output(module, *args, env=env, timeout=timeout)[0]
+
+
+def script_output(
+    module: str, *args: str, env: dict[str, str], timeout: float
+) -> tuple[Any, str]:
+    """Runs `python -m module args` in a fresh process; returns the JSON of its RESULT
+    line and its output (stdout, where vLLM logs, then stderr): the engine's log."""
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
         capture_output=True,
@@ -44,7 +52,7 @@ def script_result(module: str, *args: str, env: dict[str, str], timeout: float) 
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return json.loads(line.removeprefix("RESULT ")), proc.stdout + proc.stderr
 
 
 def long_documents(model: str, *args: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ OpenMP threads and CPU binding, read inside the worker.
 
     python -m tests.e2e.long_document_run MODEL [--offload [--offload-block-size N]
         [--swap-space-path DIR] [--swap-space-remote URL]] [--dtype bfloat16]
-        [--reads 2]
+        [--reads 2] [--mla [CPU_MLA|AMX_MLA]]
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ def kv_cache_groups(worker: Any) -> list[str]:
     """The kinds of the KV cache groups the worker's model runner allocated."""
     groups = worker.model_runner.kv_cache_config.kv_cache_groups
     return [type(group.kv_cache_spec).__name__ for group in groups]
+
+
+def attention_backends(worker: Any) -> list[str]:
+    """The attention backends the worker's model runner runs, by vLLM's names."""
+    groups = worker.model_runner.attn_groups
+    return sorted({g.backend.get_name() for per_group in groups for g in per_group})
 
 
 def host_tier_memory(worker: Any) -> dict[str, Any]:
@@ -101,8 +107,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--mla",
-        action="store_true",
-        help="the model is tiny_mla's: its engine settings and 16-token blocks",
+        nargs="?",
+        const="CPU_MLA",
+        choices=("CPU_MLA", "AMX_MLA"),
+        help="the model is tiny_mla's: its engine settings for this MLA backend "
+        "(CPU_MLA if none is named) and that backend's block size",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--swap-space", type=float, default=0.05, help="GiB")
@@ -137,10 +146,13 @@ def main() -> None:
         )
     engine: dict[str, Any] = {"block_size": BLOCK_SIZE}
     if args.mla:
-        from vllm_cpu_offload.testing.tiny_mla import BLOCK_SIZE as MLA_BLOCK_SIZE
-        from vllm_cpu_offload.testing.tiny_mla import ENGINE_KWARGS
+        from vllm_cpu_offload.testing import tiny_mla
 
-        engine = {**ENGINE_KWARGS, "block_size": MLA_BLOCK_SIZE}
+        engine = (
+            {**tiny_mla.AMX_ENGINE_KWARGS, "block_size": tiny_mla.AMX_BLOCK_SIZE}
+            if args.mla == "AMX_MLA"
+            else {**tiny_mla.ENGINE_KWARGS, "block_size": tiny_mla.BLOCK_SIZE}
+        )
     if args.tensor_parallel_size > 1:
         engine["tensor_parallel_size"] = args.tensor_parallel_size
         engine["distributed_executor_backend"] = "mp"
@@ -179,6 +191,7 @@ def main() -> None:
         )
     threads, *_ = llm.collective_rpc(worker_threads)
     groups, *_ = llm.collective_rpc(kv_cache_groups)
+    backends, *_ = llm.collective_rpc(attention_backends)
     regions = llm.collective_rpc(host_tier_memory) if args.offload else []
     metrics = {}
     if args.metrics:
@@ -191,6 +204,11 @@ def main() -> None:
         "requests": requests,
         "worker": threads,
         "kv_cache_groups": groups,
+        "attention_backends": backends,
+        "prefix_caching": bool(
+            llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        ),
+        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
         "host_tier": regions,
         "metrics": metrics,
         "plugin": {"at_start": imported_at_start, "after_vllm": applied_by_vllm_import},

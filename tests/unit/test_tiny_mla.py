@@ -14,7 +14,12 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_cpu_offload.testing.tiny_mla import (  # noqa: E402
+    AMX_BLOCK_SIZE,
+    AMX_ENGINE_KWARGS,
+    BLOCK_SIZE,
+    ENGINE_KWARGS,
     TEST_MLA_SHAPE,
+    amx_mla_runs_here,
     ensure_tiny_mla,
     weight_shapes,
 )
@@ -26,10 +31,13 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_mla(root=tmp_path_factory.mktemp("models"))
 
 
-def _vllm_config(folder: Path) -> Any:
-    from vllm.config import ModelConfig, VllmConfig
+def _vllm_config(folder: Path, **engine: Any) -> Any:
+    """The config of an engine of the model: ENGINE_KWARGS' (CPU_MLA, on any machine)
+    in fp32 unless told otherwise."""
+    from vllm.engine.arg_utils import EngineArgs
 
-    return VllmConfig(model_config=ModelConfig(model=str(folder), dtype="float32"))
+    engine = {**ENGINE_KWARGS, "dtype": "float32", **engine}
+    return EngineArgs(model=str(folder), **engine).create_engine_config()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +82,29 @@ def test_config_is_mla_with_the_latent_cpu_mla_takes(folder: Path) -> None:
     assert model.get_head_size() == TEST_MLA_SHAPE.latent_size
     assert model.get_head_size() in CPUMLABackend.get_supported_head_sizes()
     assert model.get_num_attention_heads(config.parallel_config) % 2 == 0  # TP=2
-    assert config.cache_config.block_size == 16  # what the CPU platform sets for MLA
+    # What the CPU platform sets for CPU_MLA, which it runs where ENGINE_KWARGS ask for
+    # it, AMX or not; with it, vLLM has no cached context for MLA.
+    assert config.cache_config.block_size == BLOCK_SIZE == 16
+    assert not config.cache_config.enable_prefix_caching
+
+
+@pytest.mark.skipif(
+    not amx_mla_runs_here(),
+    reason="vLLM runs AMX_MLA only on an x86 CPU with AMX tiles (amx_tile)",
+)
+def test_amx_engine_kwargs_run_amx_mla_with_prefix_caching_on(folder: Path) -> None:
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+
+    config = _vllm_config(
+        folder, **AMX_ENGINE_KWARGS, dtype="bfloat16", block_size=AMX_BLOCK_SIZE
+    )
+    assert config.model_config.get_head_size() in (
+        AMXMLABackend.get_supported_head_sizes()
+    )
+    assert AMXMLABackend.supports_block_size(AMX_BLOCK_SIZE)
+    assert not AMXMLABackend.supports_block_size(BLOCK_SIZE)  # CPU_MLA's 16
+    assert config.cache_config.block_size == AMX_BLOCK_SIZE
+    assert config.cache_config.enable_prefix_caching
 
 
 def test_checkpoint_holds_exactly_the_tensors_vllm_loads(

@@ -8,10 +8,14 @@ comes before `first_k_dense_replace`, so no expert is made or loaded), no query 
 (q_proj straight from the hidden state), the word-level tokenizer of tiny_model.py and
 random weights, written in seconds to the same cache folder and reused when present.
 
-vLLM's CPU platform runs it with the CPU_MLA backend, whose decode kernel only takes a
-latent of 512 + 64 = 576 values and blocks of 16 tokens (the platform sets the block
-size); it also turns prefix caching and chunked prefill off for MLA models. Engines of
-this model take ENGINE_KWARGS.
+vLLM's CPU platform runs MLA with one of two backends, both of which take a latent of
+512 + 64 = 576 values only. Where the CPU has AMX tiles it picks AMX_MLA unless told
+otherwise: bf16 weights only, blocks of a multiple of 32 tokens (128 if none is given),
+prefix caching on. Elsewhere, or with CPU_MLA asked for, it runs CPU_MLA, the
+reference backend: any dtype, blocks of 16 tokens only (the platform sets the block
+size), and prefix caching and chunked prefill off. Engines of this model take
+ENGINE_KWARGS (CPU_MLA, the same on every machine) or, where amx_mla_runs_here(),
+AMX_ENGINE_KWARGS.
 """
 
 from __future__ import annotations
@@ -60,16 +64,39 @@ class TinyMlaShape:
 
 # The shape the tests use.
 TEST_MLA_SHAPE = TinyMlaShape()
-# Tokens per KV block: the only size vLLM's CPU platform gives MLA models.
+# Tokens per KV block: the only size CPU_MLA's decode kernel takes.
 BLOCK_SIZE = 16
+# Tokens per KV block for AMX_MLA, whose kernels take multiples of 32.
+AMX_BLOCK_SIZE = 32
 
-# For vllm.LLM / EngineArgs. vLLM 0.32's CPU rotary kernel rotates the (tokens, heads,
-# dim) views MLA hands it (q's rope part, k_pe inside the latent) at wrong positions:
-# outputs differ from the model's math, and in batches from run to run. PyTorch's own
-# rotary embedding gives greedy tokens equal to a reference forward, batched or not.
+# vLLM 0.32's CPU rotary kernel rotates the (tokens, heads, dim) views MLA hands it (q's
+# rope part, k_pe inside the latent) at wrong positions: outputs differ from the model's
+# math, and in batches from run to run. PyTorch's own rotary embedding gives greedy
+# tokens equal to a reference forward, batched or not.
+_TORCH_ROTARY = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+# For vllm.LLM / EngineArgs: the CPU_MLA backend on every machine, AMX or not, so that
+# an engine's block size, dtypes and prefix caching (off) do not depend on the CPU.
 ENGINE_KWARGS: dict[str, object] = {
-    "compilation_config": {"custom_ops": ["-rotary_embedding"]}
+    **_TORCH_ROTARY,
+    "attention_config": {"backend": "CPU_MLA"},
 }
+# For vllm.LLM / EngineArgs where amx_mla_runs_here(), with dtype bfloat16 and
+# block_size AMX_BLOCK_SIZE: the AMX_MLA backend, with which vLLM keeps prefix caching
+# on. (Asked for elsewhere, vLLM runs CPU_MLA instead, with a 16-token block.)
+AMX_ENGINE_KWARGS: dict[str, object] = {
+    **_TORCH_ROTARY,
+    "attention_config": {"backend": "AMX_MLA"},
+}
+
+
+def amx_mla_runs_here() -> bool:
+    """Whether vLLM's CPU platform can run AMX_MLA on this machine: an x86 CPU with
+    AMX tiles (the platform's own test)."""
+    import torch
+    from vllm.platforms.interface import CpuArchEnum, Platform
+
+    x86 = Platform.get_cpu_architecture() == CpuArchEnum.X86
+    return x86 and bool(torch.cpu._is_amx_tile_supported())
 
 
 def ensure_tiny_mla(
