@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # The test command: lint, type check, then every test on real vLLM (CPU platform). With no
 # arguments it then runs vLLM 0.32.0's own test suite with the plugin loaded
-# (tests/vllm_suite), the package against vLLM 0.33.0 (scripts/test_vllm033.sh) and the
-# upstream series, patches to vLLM 0.33.0's own KV offloading (scripts/test_upstream.sh; it
-# runs in the 0.33.0 stage's environment, so it comes after that stage).
+# (tests/vllm_suite) and the package against vLLM 0.33.0 (scripts/test_vllm033.sh).
 # Arguments go to pytest and run only what they name. Each stage prints its minutes: CI's
 # budget is 90 minutes, and the full run is meant to take 40 on a 2-core machine with AMX.
 set -euo pipefail
@@ -38,6 +36,6 @@ took "vLLM 0.32.0's own tests"
 echo "== vLLM 0.33.0"
 bash scripts/test_vllm033.sh
 took "vLLM 0.33.0"
-echo "== the upstream series: patches to vLLM 0.33.0's KV offloading"
-bash scripts/test_upstream.sh
-took "the upstream series"
+# The upstream series (scripts/test_upstream.sh: vLLM's pre-commit hooks, the patches' tests
+# and vLLM's offloading tests on every prefix of upstream/ applied to vLLM 0.33.0) runs by
+# hand until its run time on a 2-core machine is measured to fit CI's budget.
