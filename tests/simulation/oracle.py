@@ -128,10 +128,14 @@ class Oracle:
 
     @staticmethod
     def is_drafter_tail(
-        got: torch.Tensor, prefix: torch.Tensor, engine_salt: int, ranks: torch.Tensor
+        got: torch.Tensor,
+        prefix: torch.Tensor,
+        engine_salt: int | torch.Tensor,
+        ranks: torch.Tensor,
     ) -> torch.Tensor:
         """Per row, whether `got` ([n, heads]) holds a drafter value at a position of
-        prefix value `prefix` ([n]) with some next token, for each head of `ranks`."""
+        prefix value `prefix` ([n]) with some next token, for each head of `ranks`
+        (`engine_salt`: one, or one per row as [n, 1])."""
         mix = (engine_salt ^ (ranks * 0x9E3779)) ^ _DRAFTER_MIX
         unmixed = (got.to(torch.int64) ^ mix) & _MASK
         # The next prefix value is prefix * 1000003 + token + 1 (mod 2^31): its low
