@@ -59,6 +59,7 @@ from unittest import mock
 
 import torch
 
+from tests.simulation import kv_check
 from tests.simulation.identities import (
     ADAPTER_ID,
     ADAPTER_NAME,
@@ -86,6 +87,7 @@ from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 from vllm_cpu_offload import lora_identity
 from vllm_cpu_offload.scheduler.drafter_layer import DrafterLayer
 from vllm_cpu_offload.scheduler.shared_tier import SharedTier
+from vllm_cpu_offload.worker import remote_io
 
 # What a process reads of an adapter's files (the world gives each engine its own view).
 _READ_ADAPTER = lora_identity._contents_of
@@ -116,6 +118,11 @@ STEP_S = 0.04
 SIM_STORE = "tests.simulation.store:SimStore"
 MOONCAKE_STORE = "tests.simulation.mooncake_client:SimMooncakeStore"
 SLOW_STORE = StoreFaults(fail=0.02, timeout=0.05, hold=0.6)
+# The bytes of a worker's fetch staging buffer: the product's (32 MiB, zeroed at each
+# worker's start: a third of a run's time went there) holds more than a hundred
+# thousand of the simulation's blocks; this one, over a thousand, more than a fetch
+# of the simulation asks for (`World._engine` checks), so fetches are the same calls.
+FETCH_BATCH_BYTES = 1 << 20
 # The oracle's adapter of B's host's LoRA files (A's and A2's are adapter 1).
 ADAPTER_B = 2
 
@@ -357,8 +364,13 @@ class World:
             with (
                 mock.patch.object(shared_tier_layer, "this_ranks", ranks_of),
                 mock.patch.object(region_layer, "this_ranks", ranks_of),
+                mock.patch.object(remote_io, "FETCH_BATCH_BYTES", FETCH_BATCH_BYTES),
             ):
                 worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
+            io = worker.worker.shared.remote_io if worker.worker else None
+            # Every fetch of the simulation (a prompt's blocks of every group) is one
+            # call, as with the product's own batch.
+            assert io is None or io._fetch_batch >= 2 * max_model_len // BLOCK_SIZE
             # vLLM's CPU layout: [blocks, kv heads, block size, 2 * head size], the
             # heads this rank holds.
             kv = {
@@ -761,14 +773,22 @@ class World:
 
         meta = out.kv_connector_metadata
         wrong: list[set[int]] = []
-        for r, rank in enumerate(engine.ranks):
+        slots = self._step_slots(engine, out.num_scheduled_tokens)
+        for rank in engine.ranks:
             w = rank.connector
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             for layer in self.layers:
                 w.wait_for_layer_load(layer)
-            wrong.append(self._forward(engine, r, out.num_scheduled_tokens))
+            # Checks every slot the step reads as computed; writes the computed ones.
+            wrong.append(
+                set()
+                if slots is None
+                else kv_check.forward(
+                    self.oracle, rank.kv, self.groups, rank.heads, slots, BLOCK_SIZE
+                )
+            )
             for layer in self.layers:
                 w.save_kv_layer(layer, rank.kv[layer], None)
             w.wait_for_save()
@@ -861,143 +881,21 @@ class World:
             kv_connector_output=kv_output,
         )
 
-    def _forward(self, engine: Engine, r: int, scheduled: dict[str, int]) -> set[int]:
-        """Checks every slot the step reads as computed; writes the computed ones.
-        Returns the device blocks whose slots were wrong."""
+    def _step_slots(
+        self, engine: Engine, scheduled: dict[str, int]
+    ) -> kv_check.StepSlots | None:
+        """The slots the step reads and writes, for every rank (`kv_check.py`)."""
         manager = engine.scheduler.kv_cache_manager
-        heads = engine.ranks[r].heads
-        # Per group: (blocks, offsets, values) read and written by each request.
-        read: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self.groups]
-        written: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self.groups]
-        # The drafter group's reads: which are a block's last slot (any
-        # continuation's value, `oracle.py`), the prefix value there, and the salt
-        # of the values it may hold (and of those of before a runtime change).
-        tails: list[tuple[torch.Tensor, ...]] = []
-        stale = engine.change.stale
+        requests = []
         for req_id, count in scheduled.items():
             request = engine.scheduler.requests[req_id]
-            done = request.num_computed_tokens - count
-            end = done + count
-            tokens = self._tokens(engine, request)
-            pos = torch.arange(end)
-            offsets = pos % BLOCK_SIZE
             salt = engine.salt ^ engine.change.mix_of(req_id)
-            # Where this request may read the values of before its engine's KV
-            # changed (`runtime_events.Stale`).
-            allowed = (
-                None
-                if stale is None
-                else stale.allowed(req_id, request.block_hashes, done, BLOCK_SIZE)
-            )
-            for group, block_ids in enumerate(manager.get_block_ids(req_id)):
-                want = self._group_values(
-                    engine, req_id, tokens, end, group, heads, salt
-                )
-                blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // BLOCK_SIZE]
-                before = want[:done]
-                if allowed is not None:
-                    assert stale is not None
-                    old = (before.to(torch.int64) ^ stale.mix).float()
-                    before = torch.where(allowed[:, None], old, before)
-                read[group].append((blocks[:done], offsets[:done], want[:done], before))
-                written[group].append((blocks[done:], offsets[done:], want[done:]))
-            if self.drafter:
-                values = self.oracle.prefix_values(req_id, tokens[:done])[:done]
-                prefix = torch.tensor(values, dtype=torch.int64)
-                salts = torch.full((done,), salt, dtype=torch.int64)
-                old_salts = salts
-                if allowed is not None:
-                    assert stale is not None
-                    old_salts = torch.where(allowed, salts ^ stale.mix, salts)
-                loose = offsets[:done] == BLOCK_SIZE - 1
-                tails.append((loose, prefix, salts, old_salts))
-        wrong: set[int] = set()
-        ranks = torch.tensor(heads, dtype=torch.int64)
-        for group, layers in enumerate(self.groups):
-            if read[group]:
-                tail = None
-                if group == 1:
-                    loose, prefix, salts, old_salts = (
-                        torch.cat(t) for t in zip(*tails, strict=True)
-                    )
-                    tail = (loose, prefix, salts[:, None], old_salts[:, None], ranks)
-                wrong |= self._write_and_check(
-                    engine.ranks[r], layers, read[group], written[group], tail
-                )
-        return wrong
-
-    def _group_values(
-        self,
-        engine: Engine,
-        req_id: str,
-        tokens: list[int],
-        end: int,
-        group: int,
-        heads: tuple[int, ...],
-        salt: int,
-    ) -> torch.Tensor:
-        """[end, local heads]: what each position holds in `group` for each head
-        (replicated KV: head 0's). A drafter's value at the last position depends on
-        the token after it: the prompt's next token, or the one this step samples."""
-        if group == 0:
-            prefix = tokens[:end]
-            values = self.oracle.slot_values
-        else:
-            prefix = tokens[: end + 1]
-            if len(prefix) == end:
-                prefix = [
-                    *prefix,
-                    next_token(self.oracle.prefix_values(req_id, prefix), end),
-                ]
-            values = self.oracle.drafter_slot_values
-        return torch.stack(
-            [values(req_id, prefix, salt, head) for head in heads], dim=1
+            tokens = self._tokens(engine, request)
+            blocks = manager.get_block_ids(req_id)
+            requests.append((request, count, tokens, salt, blocks))
+        return kv_check.StepSlots.of(
+            self.oracle, BLOCK_SIZE, len(self.groups), requests, engine.change
         )
-
-    def _write_and_check(
-        self,
-        rank: _Rank,
-        layers: tuple[str, ...],
-        read: list[tuple[torch.Tensor, ...]],
-        written: list[tuple[torch.Tensor, ...]],
-        tail: tuple[torch.Tensor, ...] | None,
-    ) -> set[int]:
-        """One scatter and one gather per layer for the whole batch (the per-request
-        indexing was most of a run's time). Writes go first, as a real layer writes
-        the step's KV before its attention reads: a request may read blocks that
-        another one computes in the same step (vLLM caches them at scheduling).
-        A drafter group's `tail` (which reads are a block's last slot, their prefix
-        values, the engine's salt, the heads): those slots must hold a drafter value
-        for some next token."""
-        read_blocks, read_offsets, read_want, read_before = (
-            torch.cat(t) for t in zip(*read, strict=True)
-        )
-        # Whether some read may hold the values of before a runtime change.
-        any_before = any(r[3] is not r[2] for r in read)
-        write_blocks, write_offsets, write_want = (
-            torch.cat(t) for t in zip(*written, strict=True)
-        )
-        wrong: set[int] = set()
-        for layer in layers:
-            kv = rank.kv[layer]
-            # Indexed by (blocks, offsets) around the heads' slice: [n, heads, 2].
-            kv[write_blocks, :, write_offsets] = write_want[:, :, None]
-            got = kv[read_blocks, :, read_offsets]
-            bad = (got != read_want[:, :, None]).flatten(1).any(dim=1)
-            if any_before:
-                bad &= (got != read_before[:, :, None]).flatten(1).any(dim=1)
-            if tail is not None and (loose := tail[0]).any():
-                loose_got, prefix = got[loose, :, 0], tail[1][loose]
-                salts, old_salts, ranks = tail[2][loose], tail[3][loose], tail[4]
-                tail_ok = self.oracle.is_drafter_tail(loose_got, prefix, salts, ranks)
-                if any_before:
-                    tail_ok |= self.oracle.is_drafter_tail(
-                        loose_got, prefix, old_salts, ranks
-                    )
-                k_is_v = (got[loose, :, 0] == got[loose, :, 1]).all(dim=1)
-                bad[loose] = ~(tail_ok & k_is_v)
-            wrong.update(read_blocks[bad].tolist())
-        return wrong
 
     def _settle(self, engine: Engine) -> None:
         """Waits until each rank's store thread is idle or held in a call: what the
