@@ -364,13 +364,8 @@ class World:
             with (
                 mock.patch.object(shared_tier_layer, "this_ranks", ranks_of),
                 mock.patch.object(region_layer, "this_ranks", ranks_of),
-                mock.patch.object(remote_io, "FETCH_BATCH_BYTES", FETCH_BATCH_BYTES),
             ):
                 worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, kv_config)
-            io = worker.worker.shared.remote_io if worker.worker else None
-            # Every fetch of the simulation (a prompt's blocks of every group) is one
-            # call, as with the product's own batch.
-            assert io is None or io._fetch_batch >= 2 * max_model_len // BLOCK_SIZE
             # vLLM's CPU layout: [blocks, kv heads, block size, 2 * head size], the
             # heads this rank holds.
             kv = {
@@ -379,7 +374,12 @@ class World:
             }
             if self.drafter:
                 kv |= dict(zip(DRAFTER_LAYERS, kv.values(), strict=True))
-            worker.register_kv_caches(kv)
+            with mock.patch.object(remote_io, "FETCH_BATCH_BYTES", FETCH_BATCH_BYTES):
+                worker.register_kv_caches(kv)  # makes the worker's store traffic
+            io = worker.worker.shared.remote_io if worker.worker else None
+            # Every fetch of the simulation (a prompt's blocks of every group) is one
+            # call, as with the product's own batch.
+            assert io is None or io._fetch_batch >= 2 * max_model_len // BLOCK_SIZE
             faults = CopyFaults()
             assert worker.worker is not None and worker.worker.engine is not None
             copies = LateCopies(
