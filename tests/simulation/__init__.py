@@ -4,8 +4,10 @@ vLLM's real `Scheduler` runs with the connector's scheduler half; N worker halve
 per TP rank, each with its own KV cache, host buffer, copiers and store client) run
 every step; three engines share one in-process store (the real value format): A, its
 twin A2, often at another TP size (a TP=1 engine reads a TP=4 engine's per-head values
-and the reverse), and B with another fingerprint. Copies fail on one rank or all,
-part-way through their layers; store calls fail, time out and finish later into the
+and the reverse), and B with another fingerprint (or, on two seeds of seven, all
+three alike until one of them has its weights replaced or its LoRA adapter rewritten
+in place mid-run: `runtime_events.py`). Copies fail on one rank or all, part-way
+through their layers; store calls fail, time out and finish later into the
 caller's memory, or hang for steps; the store goes down and comes back; requests are
 aborted in every state, preempted under a small device cache, and `reset_cache` runs
 between them.

@@ -14,7 +14,14 @@ store can compute other bytes for the same tokens.
   they share it), and half the requests name one LoRA adapter, by one name and path,
   whose files B's host holds retrained (other bytes): B's adapter requests must not
   take A's blocks, nor A B's. Each engine is a process of its own there, with the
-  adapter's identity that process worked out (`World` keeps one per engine).
+  adapter's identity that process worked out (`World` keeps one per engine);
+- `weights-updated`: every engine starts alike (B's KV is A's); at a step mid-run one
+  of them (A, A2 or B) has its weights replaced as vLLM replaces them
+  (`runtime_events.py`), and from then on computes other KV;
+- `adapter-reloaded`: every engine starts alike, half the requests name one LoRA
+  adapter (the same files on every host); at a step mid-run the adapter's files are
+  rewritten in place on one engine's host and its workers load them, with requests
+  hashed under the old files still in flight (`runtime_events.py`).
 
 Every engine of a seed serves one model folder of its own (a copy of the tiny model,
 made for the world), so that only the difference above tells B from A. The oracle gives
@@ -32,7 +39,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KINDS = ("rope-theta", "max-model-len", "fine-tuned-norm", "soft-cap", "lora-retrained")
+KINDS = (
+    "rope-theta",
+    "max-model-len",
+    "fine-tuned-norm",
+    "soft-cap",
+    "lora-retrained",
+    "weights-updated",
+    "adapter-reloaded",
+)
+# The kinds where every engine starts alike and one changes mid-run
+# (`runtime_events.py`).
+RUNTIME_KINDS = ("weights-updated", "adapter-reloaded")
 # The adapter requests of `lora-retrained` name.
 ADAPTER_NAME, ADAPTER_ID = "sim-adapter", 1
 # The length the engines run at, and a LongRoPE model's original length.
@@ -56,8 +74,8 @@ class Identities:
 
     @property
     def b_kv_differs(self) -> bool:
-        """Whether B's KV differs from A's for every request (not only for some)."""
-        return self.kind != "lora-retrained"
+        """Whether B's KV differs from A's for every request, from its start."""
+        return self.kind not in ("lora-retrained", *RUNTIME_KINDS)
 
     @contextmanager
     def as_b(self) -> Iterator[None]:
@@ -86,12 +104,13 @@ def identities_of(seed: int, base_model: str, folder: Path) -> Identities:
     if kind == "fine-tuned-norm":
         weights = model / "model.safetensors"
         return Identities(kind, str(model), b_file=weights, b_rewrite=_tune_one_norm)
+    if kind == "weights-updated":
+        return Identities(kind, str(model))
+    if kind == "adapter-reloaded":
+        return Identities(kind, str(model), adapter=str(_adapter(folder)))
     if kind == "lora-retrained":
-        adapter = folder / "adapter"
-        adapter.mkdir()
-        (adapter / "adapter_config.json").write_text(json.dumps({"r": 8}))
+        adapter = _adapter(folder)
         weights = adapter / "adapter_model.safetensors"
-        weights.write_bytes(bytes(range(256)) * 64)
         return Identities(
             kind,
             str(model),
@@ -100,6 +119,14 @@ def identities_of(seed: int, base_model: str, folder: Path) -> Identities:
             adapter=str(adapter),
         )
     return Identities(kind, str(model), b_overrides={"attn_logit_softcapping": 30.0})
+
+
+def _adapter(folder: Path) -> Path:
+    adapter = folder / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    (adapter / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 64)
+    return adapter
 
 
 def _retrain(weights: Path) -> None:

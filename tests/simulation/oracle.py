@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from itertools import islice
 
 import torch
 
 from vllm_cpu_offload.remote import value_format
 
-_MASK = (1 << 24) - 1
-_DRAFTER_MIX = 0x3C3C3C
+MASK = (1 << 24) - 1
+DRAFTER_MIX = 0x3C3C3C
 
 
 def next_token(values: Sequence[int], end: int) -> int:
@@ -62,7 +63,8 @@ class Oracle:
         self._prefix: dict[str, list[int]] = {}  # request id -> value per position
         self._blocks: dict[str, list[int]] = {}  # block hash (hex) -> its values
         self._salts: dict[str, int] = {}  # namespace -> engine salt
-        self._tensors: dict[str, torch.Tensor] = {}  # request id -> its values
+        # request id -> its prefix values, and how many of them are in
+        self._tensors: dict[str, tuple[torch.Tensor, int]] = {}
         self._adapters: dict[str, int] = {}  # request id -> its LoRA adapter's files
 
     def add_engine(self, namespace: str, salt: int) -> str | None:
@@ -75,40 +77,36 @@ class Oracle:
     @staticmethod
     def slot_value(base: int, engine_salt: int, rank: int) -> int:
         """`rank` is the global KV head (0 for replicated KV; see `head_of`)."""
-        return (base ^ engine_salt ^ (rank * 0x9E3779)) & _MASK
+        return (base ^ engine_salt ^ (rank * 0x9E3779)) & MASK
 
-    def slot_values(
-        self, req_id: str, tokens: Sequence[int], engine_salt: int, rank: int
-    ) -> torch.Tensor:
-        """`slot_value` of each position of `tokens`, as float32: what the device KV
-        of those positions holds on this engine in KV head `rank` (see `head_of`)."""
-        values = self.prefix_values(req_id, tokens)
-        cached = self._tensors.get(req_id)
-        if cached is None or cached.numel() < len(tokens):
-            cached = torch.tensor(values, dtype=torch.int64)
-            self._tensors[req_id] = cached
-        mix = engine_salt ^ (rank * 0x9E3779)
-        return ((cached[: len(tokens)] ^ mix) & _MASK).to(torch.float32)
-
-    def drafter_slot_values(
-        self, req_id: str, tokens: Sequence[int], engine_salt: int, rank: int
-    ) -> torch.Tensor:
-        """A drafter group's value at each position of `tokens` but the last: from the
-        prefix through the token after it (`tokens` ends with the token after the
-        positions asked for; pass only tokens the request has or will sample)."""
-        after = self.slot_values(req_id, tokens, engine_salt, rank)[1:]
-        return ((after.to(torch.int64) ^ _DRAFTER_MIX) & _MASK).to(torch.float32)
+    def prefix_tensor(self, req_id: str, tokens: Sequence[int], n: int) -> torch.Tensor:
+        """The prefix values of the first `n` positions of `tokens` as an int64 tensor
+        (a view: do not write it). O(new positions): each request's values are kept
+        in a tensor that grows by doubling."""
+        values = self.prefix_values(req_id, tokens, n)
+        held, filled = self._tensors.get(req_id, (torch.empty(0, dtype=torch.int64), 0))
+        if filled < n:
+            if held.numel() < n:
+                grown = torch.empty(max(2 * n, 64), dtype=torch.int64)
+                grown[:filled] = held[:filled]
+                held = grown
+            held[filled:n] = torch.tensor(values[filled:n], dtype=torch.int64)
+            self._tensors[req_id] = (held, n)
+        return held[:n]
 
     def set_adapter(self, req_id: str, adapter: int) -> None:
         """The request's KV is computed with LoRA adapter files `adapter` (> 0): other
         values than the model's alone, and than another adapter's."""
         self._adapters[req_id] = adapter
 
-    def prefix_values(self, req_id: str, tokens: Sequence[int]) -> list[int]:
-        """The base value of each position of `tokens` (grown as tokens are added)."""
+    def prefix_values(
+        self, req_id: str, tokens: Sequence[int], n: int | None = None
+    ) -> list[int]:
+        """The base value of each position of `tokens` (grown as tokens are added),
+        of its first `n` at least."""
         values = self._prefix.setdefault(req_id, [])
         last = values[-1] if values else 0x12345 + 0x777 * self._adapters.get(req_id, 0)
-        for token in tokens[len(values) :]:
+        for token in islice(tokens, len(values), n):
             last = (last * 1000003 + token + 1) % (1 << 31)
             values.append(last)
         return values
@@ -128,16 +126,20 @@ class Oracle:
 
     @staticmethod
     def is_drafter_tail(
-        got: torch.Tensor, prefix: torch.Tensor, engine_salt: int, ranks: torch.Tensor
+        got: torch.Tensor,
+        prefix: torch.Tensor,
+        engine_salt: int | torch.Tensor,
+        ranks: torch.Tensor,
     ) -> torch.Tensor:
         """Per row, whether `got` ([n, heads]) holds a drafter value at a position of
-        prefix value `prefix` ([n]) with some next token, for each head of `ranks`."""
-        mix = (engine_salt ^ (ranks * 0x9E3779)) ^ _DRAFTER_MIX
-        unmixed = (got.to(torch.int64) ^ mix) & _MASK
+        prefix value `prefix` ([n]) with some next token, for each head of `ranks`
+        (`engine_salt`: one, or one per row as [n, 1])."""
+        mix = (engine_salt ^ (ranks * 0x9E3779)) ^ DRAFTER_MIX
+        unmixed = (got.to(torch.int64) ^ mix) & MASK
         # The next prefix value is prefix * 1000003 + token + 1 (mod 2^31): its low
         # 24 bits less those of prefix * 1000003 + 1 are the token.
-        start = (prefix * 1000003 + 1) & _MASK
-        token = (unmixed - start[:, None]) & _MASK
+        start = (prefix * 1000003 + 1) & MASK
+        token = (unmixed - start[:, None]) & MASK
         return ((token >= 1) & (token < 5000)).all(dim=1)
 
     def check_value(self, key: str, value: bytes) -> str | None:
@@ -155,7 +157,7 @@ class Oracle:
         head = head_of(shard)
         entries = self.kv_entries_per_slot[group]
         if group in self.drafter_groups:
-            base = [b ^ _DRAFTER_MIX for b in base[1:]]
+            base = [b ^ DRAFTER_MIX for b in base[1:]]
         expected = Counter(float(self.slot_value(b, salt, head)) for b in base)
         for v in expected:
             expected[v] *= entries

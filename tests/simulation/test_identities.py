@@ -1,7 +1,10 @@
 """The simulation finds each identity fix put back: with the product's identity blind to
 one way B's KV differs from A's, a seed of that kind breaks an invariant: two engines
 under one namespace at start, or, where only some requests differ (a LoRA adapter's
-files), a block of the other engine's read or stored."""
+files), a block of the other engine's read or stored. Likewise for what changes while
+the fleet runs (`runtime_events.py`): with the product deaf to a weight update or to
+an adapter rewritten in place, the changed engine's KV reaches the others (or theirs
+it); and the product keeps it apart on those seeds."""
 
 from __future__ import annotations
 
@@ -13,9 +16,14 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_cpu_offload.kv_identity as kv_identity_module  # noqa: E402
-from tests.simulation.identities import KINDS  # noqa: E402
+from tests.simulation.identities import KINDS, RUNTIME_KINDS  # noqa: E402
 from tests.simulation.world import Violation, World, vllm_test_utils  # noqa: E402
-from vllm_cpu_offload import lora_identity  # noqa: E402
+from vllm_cpu_offload import lora_identity, runtime_weights  # noqa: E402
+from vllm_cpu_offload.scheduler.tier_scheduler import (  # noqa: E402
+    HostTierScheduler,
+)
+
+STATIC_KINDS = tuple(k for k in KINDS if k not in RUNTIME_KINDS)
 
 
 def _without_config_digests(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,13 +70,13 @@ BLIND_TO: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "lora-retrained": _adapters_by_name_and_path,
 }
 # What the run reports first, by kind; and how long it runs to see it.
-CAUGHT_AS = {kind: "share the namespace" for kind in KINDS} | {
+CAUGHT_AS = {kind: "share the namespace" for kind in STATIC_KINDS} | {
     "lora-retrained": "another block's|wrong value"
 }
-STEPS = {kind: 4 for kind in KINDS} | {"lora-retrained": 120}
+STEPS = {kind: 4 for kind in STATIC_KINDS} | {"lora-retrained": 120}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", STATIC_KINDS)
 def test_an_identity_blind_to_a_difference_is_caught(
     tiny_model: str, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
@@ -79,3 +87,62 @@ def test_an_identity_blind_to_a_difference_is_caught(
     assert world.identities.kind == kind
     with pytest.raises(Violation, match=CAUGHT_AS[kind]):
         world.run()
+
+
+def _weights_changes_unheard(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As before `runtime_weights`: vLLM's weight updates and cache resets leave the
+    # shared store (and the file tier) open.
+    monkeypatch.setattr(runtime_weights, "weights_changing", lambda why: None)
+    monkeypatch.setattr(HostTierScheduler, "identity_changed", lambda self, why: None)
+
+
+def _adapter_files_looked_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As before the adapter's files were looked at again: its identity stays what
+    # the process first found, and every request's hashes hold.
+    looked = lora_identity._checked
+
+    def first_seen(lora: Any) -> Any:
+        adapter = looked(lora)
+        adapter.identity = adapter.first_seen
+        return adapter
+
+    monkeypatch.setattr(lora_identity, "_checked", first_seen)
+
+
+RUNTIME_DEAF_TO: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
+    "weights-updated": _weights_changes_unheard,
+    "adapter-reloaded": _adapter_files_looked_at_once,
+}
+# Seeds of each runtime kind (weights: A2 reloads at step 20; A resets at step 17;
+# adapter: rewritten under A2 at step 23), and the steps they run.
+RUNTIME_SEEDS = [
+    ("weights-updated", 5),
+    ("weights-updated", 40),
+    ("adapter-reloaded", 6),
+]
+RUNTIME_STEPS = 60
+
+
+@pytest.mark.parametrize(("kind", "seed"), RUNTIME_SEEDS)
+def test_a_runtime_change_unheard_is_caught(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch, kind: str, seed: int
+) -> None:
+    utils: Any = vllm_test_utils()
+    RUNTIME_DEAF_TO[kind](monkeypatch)
+    world = World(utils, tiny_model, seed, tp=1, steps=RUNTIME_STEPS)
+    assert world.identities.kind == kind
+    with pytest.raises(Violation, match="another block's|wrong KV"):
+        world.run()
+
+
+@pytest.mark.parametrize(("kind", "seed"), RUNTIME_SEEDS)
+def test_the_product_keeps_a_runtime_change_apart(
+    tiny_model: str, kind: str, seed: int
+) -> None:
+    # The same seeds, with the product as it is: nothing wrong is read or stored,
+    # and the engines that did not change still share.
+    utils: Any = vllm_test_utils()
+    world = World(utils, tiny_model, seed, tp=1, steps=RUNTIME_STEPS)
+    world.run()
+    changed = [e.name for e in world.engines if e.change.fired_at is not None]
+    assert changed == [world.event.engine if world.event else None]

@@ -3,13 +3,15 @@
 Engine A, its twin A2 (same fingerprint: they read each other's blocks from the store)
 and B, whose KV differs from theirs in one of the ways of `identities.py` (by seed: a
 config override, the length a LongRoPE model runs at, a fine-tuned LayerNorm under the
-same path, a config field no list names). Each is vLLM's real `Scheduler` (our scheduler
-half inside it) and one worker half per TP rank, whose reports vLLM's own
-`KVOutputAggregator` joins. A and B run at the run's TP size (`--tp`); A2 runs at
-another size of {1, 2, 4} on two seeds of every three (`seed % 3 != 2`; of the two other
-sizes, the larger on seeds 0-2, 6-8, ..., the smaller on seeds 3-5, 9-11, ...: seeds 0-5
-at TP 1, 2 and 4 pair every size with every other both ways, and seed 3, MLA-style, has
-A2 at TP=1), and at A's size on the third (`World.twin_tp`). The shared store keeps one
+same path, a config field no list names); or all three start alike and one's weights
+or adapter files change mid-run (`runtime_events.py`). Each is vLLM's real
+`Scheduler` (our scheduler half inside it) and one worker half per TP rank, whose
+reports vLLM's own `KVOutputAggregator` joins. A and B run at the run's TP size
+(`--tp`); A2 runs at another size of {1, 2, 4} on two seeds of every three
+(`seed % 3 != 2`; of the two other sizes, the larger on seeds 0-2, 6-8, ..., the
+smaller on seeds 3-5, 9-11, ...: seeds 0-5 at TP 1, 2 and 4 pair every size with
+every other both ways, and seed 3, MLA-style, has A2 at TP=1), and at A's size on the
+third (`World.twin_tp`). The shared store keeps one
 value per KV head (`kv_shards.py`) under a namespace without the TP size, so a TP=1
 engine reads a TP=2 or TP=4 engine's blocks and the reverse; the replay line needs no
 more than the seed and A's TP size.
@@ -57,6 +59,7 @@ from unittest import mock
 
 import torch
 
+from tests.simulation import kv_check
 from tests.simulation.identities import (
     ADAPTER_ID,
     ADAPTER_NAME,
@@ -67,10 +70,24 @@ from tests.simulation.late_copies import CopyFaults, LateCopies
 from tests.simulation.mooncake_client import SimMooncakeStore
 from tests.simulation.oracle import Oracle, head_of, next_token
 from tests.simulation.replicated import replicated_kv
+from tests.simulation.runtime_events import (
+    ADAPTER_MIX,
+    ADAPTER_RELOADED,
+    WEIGHTS_MIX,
+    EngineChange,
+    Stale,
+    computed_tokens,
+    event_of,
+    held_hashes,
+    resettable,
+    rewrite_in_place,
+    tell_workers,
+)
 from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 from vllm_cpu_offload import lora_identity
 from vllm_cpu_offload.scheduler.drafter_layer import DrafterLayer
 from vllm_cpu_offload.scheduler.shared_tier import SharedTier
+from vllm_cpu_offload.worker import remote_io
 
 # What a process reads of an adapter's files (the world gives each engine its own view).
 _READ_ADAPTER = lora_identity._contents_of
@@ -101,6 +118,11 @@ STEP_S = 0.04
 SIM_STORE = "tests.simulation.store:SimStore"
 MOONCAKE_STORE = "tests.simulation.mooncake_client:SimMooncakeStore"
 SLOW_STORE = StoreFaults(fail=0.02, timeout=0.05, hold=0.6)
+# The bytes of a worker's fetch staging buffer: the product's (32 MiB, zeroed at each
+# worker's start: a third of a run's time went there) holds more than a hundred
+# thousand of the simulation's blocks; this one, over a thousand, more than a fetch
+# of the simulation asks for (`World._engine` checks), so fetches are the same calls.
+FETCH_BATCH_BYTES = 1 << 20
 # The oracle's adapter of B's host's LoRA files (A's and A2's are adapter 1).
 ADAPTER_B = 2
 
@@ -161,6 +183,11 @@ class Engine:
     lora_keys: dict[Any, Any] = field(default_factory=dict)
     lora_contents: dict[str, str] = field(default_factory=dict)
     process_token: str = field(default_factory=lambda: secrets.token_hex(8))
+    # `adapter-reloaded`: the adapter's folder on this engine's host, read as it is
+    # at each look (its files may be rewritten in place).
+    adapter_host: Path | None = None
+    # What a runtime event changed of this engine's KV (`runtime_events.py`).
+    change: EngineChange = field(default_factory=EngineChange)
 
     @property
     def tier(self) -> Any:
@@ -222,6 +249,7 @@ class World:
         # and registrations run as they do against a real master.
         self._folder = Path(tempfile.mkdtemp(prefix="vco-sim-"))
         self.identities = identities_of(seed, model, self._folder)
+        self.event = event_of(self.identities.kind, seed, steps)
         same = self.identities.model
         with replicated_kv(self.replicated):
             self.engines = [
@@ -231,6 +259,7 @@ class World:
                 ),
             ]
             for engine in self.engines:
+                self._host_adapter(engine)
                 self._learn_adapter(engine)
             with self.identities.as_b():
                 self.engines.append(
@@ -243,6 +272,7 @@ class World:
                         max_model_len=self.identities.b_max_model_len,
                     )
                 )
+                self._host_adapter(self.engines[-1])
                 self._learn_adapter(self.engines[-1])
 
     # ---- building ----
@@ -344,7 +374,12 @@ class World:
             }
             if self.drafter:
                 kv |= dict(zip(DRAFTER_LAYERS, kv.values(), strict=True))
-            worker.register_kv_caches(kv)
+            with mock.patch.object(remote_io, "FETCH_BATCH_BYTES", FETCH_BATCH_BYTES):
+                worker.register_kv_caches(kv)  # makes the worker's store traffic
+            io = worker.worker.shared.remote_io if worker.worker else None
+            # Every fetch of the simulation (a prompt's blocks of every group) is one
+            # call, as with the product's own batch.
+            assert io is None or io._fetch_batch >= 2 * max_model_len // BLOCK_SIZE
             faults = CopyFaults()
             assert worker.worker is not None and worker.worker.engine is not None
             copies = LateCopies(
@@ -448,6 +483,8 @@ class World:
         with the adapter files of its own host."""
 
         def contents(path: str) -> str:
+            if engine.adapter_host is not None:
+                return _READ_ADAPTER(str(engine.adapter_host))
             if path not in engine.lora_contents:
                 engine.lora_contents[path] = _READ_ADAPTER(path)
             return engine.lora_contents[path]
@@ -460,8 +497,8 @@ class World:
             yield
 
     def _act_in_process(self, engine: Engine) -> None:
-
         rng = self.rng
+        self._runtime_event(engine)
         live = [r for r in engine.scheduler.requests.values() if not r.is_finished()]
         if len(live) < 12 and rng.random() < 0.45:
             self._add_request(engine)
@@ -565,6 +602,96 @@ class World:
         with self._in_process(engine):
             kv_cache_utils._gen_lora_extra_hash_keys(cast("Request", request))
 
+    def _host_adapter(self, engine: Engine) -> None:
+        """`adapter-reloaded`: the engine's host gets its own copy of the adapter's
+        files (alike on every host until one is rewritten in place)."""
+        if self.identities.kind != "adapter-reloaded":
+            return
+        assert self.identities.adapter is not None
+        engine.adapter_host = self._folder / "hosts" / engine.name
+        shutil.copytree(self.identities.adapter, engine.adapter_host)
+
+    def _runtime_event(self, engine: Engine) -> None:
+        """The run's runtime event, on its engine from its step on, once
+        (`runtime_events.py`)."""
+        event = self.event
+        if (
+            event is None
+            or event.engine != engine.name
+            or engine.change.fired_at is not None
+            or self.step_no < event.step
+        ):
+            return
+        if event.kind == "adapter-reloaded":
+            self._reload_adapter(engine)
+        elif not self._update_weights(engine, event.mode):
+            return  # vLLM's pause waits until the cache can be reset
+        engine.change.fired_at = self.step_no
+
+    def _update_weights(self, engine: Engine, mode: str) -> bool:
+        """The engine's weights replaced (`reset`: after vLLM's cache reset, as an RL
+        loop's pause does it; `reload`: alone); False where the reset must wait."""
+        stale = None
+        if mode == "reset":
+            if not resettable(engine):
+                return False
+            if engine.pending is not None:  # the pause drains vLLM's batch queue
+                self._update(engine, *engine.pending)
+                engine.pending = None
+                if not resettable(engine):
+                    return False
+            if not engine.scheduler.reset_prefix_cache(
+                reset_running_requests=True, reset_connector=True
+            ):
+                self._violation(f"engine {engine.name}: the cache reset failed")
+        else:
+            stale = Stale(WEIGHTS_MIX, held_hashes(engine), computed_tokens(engine))
+        tell_workers(engine)
+        engine.salt ^= WEIGHTS_MIX
+        engine.change.stale = stale
+        engine.change.sealed_ok = True
+        return True
+
+    def _reload_adapter(self, engine: Engine) -> None:
+        """The adapter's files rewritten in place on the engine's host, and loaded by
+        its workers: the adapter requests in flight compute other values from now
+        on, under the hashes they were made with."""
+        assert engine.adapter_host is not None
+        rewrite_in_place(engine.adapter_host / "adapter_model.safetensors")
+        mixed = frozenset(
+            req_id
+            for req_id, r in engine.scheduler.requests.items()
+            if r.lora_request is not None and not r.is_finished()
+        )
+        change = engine.change
+        change.mixed = mixed
+        change.reloaded_adapter = True
+        change.stale = Stale(
+            ADAPTER_MIX, held_hashes(engine), computed_tokens(engine), mixed
+        )
+
+    def _check_still_shared(self, engine: Engine) -> None:
+        """An engine whose weights and files never changed still shares: its store
+        is not sealed, its adapter's identity is the one its files give."""
+        if not engine.change.sealed_ok:
+            tier = engine.tier
+            sealed = isinstance(tier.shared, SharedTier) and tier.shared.sealed
+            for rank in engine.ranks:
+                io = rank.connector.worker.shared.remote_io
+                sealed = sealed or (io is not None and io._sealed)
+            if sealed:
+                self._violation(
+                    f"engine {engine.name}: its store is sealed, its weights never "
+                    "changed"
+                )
+        if not engine.change.reloaded_adapter:
+            for adapter in engine.lora_keys.values():
+                if adapter.identity != adapter.first_seen:
+                    self._violation(
+                        f"engine {engine.name}: its adapter's identity changed, its "
+                        "files never did"
+                    )
+
     def _salt(self) -> str | None:
         """A request's `cache_salt`: mostly none, two tenants, and a client that
         mints a new one for each request (as many tenants as requests, retains among
@@ -580,7 +707,12 @@ class World:
         adapter = self.identities.adapter
         if adapter is None or self.rng.random() < 0.5:
             return None
-        self.oracle.set_adapter(request_id, ADAPTER_B if engine.name == "B" else 1)
+        files = 1
+        if engine.name == "B" and self.identities.kind == "lora-retrained":
+            files = ADAPTER_B
+        elif engine.change.reloaded_adapter:
+            files = ADAPTER_RELOADED
+        self.oracle.set_adapter(request_id, files)
         return LoRARequest(ADAPTER_NAME, ADAPTER_ID, adapter)
 
     def _hints(self) -> dict[str, Any]:
@@ -641,14 +773,22 @@ class World:
 
         meta = out.kv_connector_metadata
         wrong: list[set[int]] = []
-        for r, rank in enumerate(engine.ranks):
+        slots = self._step_slots(engine, out.num_scheduled_tokens)
+        for rank in engine.ranks:
             w = rank.connector
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             for layer in self.layers:
                 w.wait_for_layer_load(layer)
-            wrong.append(self._forward(engine, r, out.num_scheduled_tokens))
+            # Checks every slot the step reads as computed; writes the computed ones.
+            wrong.append(
+                set()
+                if slots is None
+                else kv_check.forward(
+                    self.oracle, rank.kv, self.groups, rank.heads, slots, BLOCK_SIZE
+                )
+            )
             for layer in self.layers:
                 w.save_kv_layer(layer, rank.kv[layer], None)
             w.wait_for_save()
@@ -741,108 +881,21 @@ class World:
             kv_connector_output=kv_output,
         )
 
-    def _forward(self, engine: Engine, r: int, scheduled: dict[str, int]) -> set[int]:
-        """Checks every slot the step reads as computed; writes the computed ones.
-        Returns the device blocks whose slots were wrong."""
+    def _step_slots(
+        self, engine: Engine, scheduled: dict[str, int]
+    ) -> kv_check.StepSlots | None:
+        """The slots the step reads and writes, for every rank (`kv_check.py`)."""
         manager = engine.scheduler.kv_cache_manager
-        heads = engine.ranks[r].heads
-        # Per group: (blocks, offsets, values) read and written by each request.
-        read: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self.groups]
-        written: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in self.groups]
-        # The drafter group's reads: which are a block's last slot (any
-        # continuation's value, `oracle.py`), and the prefix value there.
-        tails: list[tuple[torch.Tensor, torch.Tensor]] = []
+        requests = []
         for req_id, count in scheduled.items():
             request = engine.scheduler.requests[req_id]
-            done = request.num_computed_tokens - count
-            end = done + count
+            salt = engine.salt ^ engine.change.mix_of(req_id)
             tokens = self._tokens(engine, request)
-            pos = torch.arange(end)
-            offsets = pos % BLOCK_SIZE
-            for group, block_ids in enumerate(manager.get_block_ids(req_id)):
-                want = self._group_values(engine, req_id, tokens, end, group, heads)
-                blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // BLOCK_SIZE]
-                read[group].append((blocks[:done], offsets[:done], want[:done]))
-                written[group].append((blocks[done:], offsets[done:], want[done:]))
-            if self.drafter:
-                values = self.oracle.prefix_values(req_id, tokens[:done])[:done]
-                prefix = torch.tensor(values, dtype=torch.int64)
-                tails.append((offsets[:done] == BLOCK_SIZE - 1, prefix))
-        wrong: set[int] = set()
-        ranks = torch.tensor(heads, dtype=torch.int64)
-        for group, layers in enumerate(self.groups):
-            if read[group]:
-                tail = None
-                if group == 1:
-                    loose, prefix = (torch.cat(t) for t in zip(*tails, strict=True))
-                    tail = (loose, prefix, engine.salt, ranks)
-                wrong |= self._write_and_check(
-                    engine.ranks[r], layers, read[group], written[group], tail
-                )
-        return wrong
-
-    def _group_values(
-        self,
-        engine: Engine,
-        req_id: str,
-        tokens: list[int],
-        end: int,
-        group: int,
-        heads: tuple[int, ...],
-    ) -> torch.Tensor:
-        """[end, local heads]: what each position holds in `group` for each head
-        (replicated KV: head 0's). A drafter's value at the last position depends on
-        the token after it: the prompt's next token, or the one this step samples."""
-        if group == 0:
-            prefix = tokens[:end]
-            values = self.oracle.slot_values
-        else:
-            prefix = tokens[: end + 1]
-            if len(prefix) == end:
-                prefix = [
-                    *prefix,
-                    next_token(self.oracle.prefix_values(req_id, prefix), end),
-                ]
-            values = self.oracle.drafter_slot_values
-        return torch.stack(
-            [values(req_id, prefix, engine.salt, head) for head in heads], dim=1
+            blocks = manager.get_block_ids(req_id)
+            requests.append((request, count, tokens, salt, blocks))
+        return kv_check.StepSlots.of(
+            self.oracle, BLOCK_SIZE, len(self.groups), requests, engine.change
         )
-
-    def _write_and_check(
-        self,
-        rank: _Rank,
-        layers: tuple[str, ...],
-        read: list[tuple[torch.Tensor, ...]],
-        written: list[tuple[torch.Tensor, ...]],
-        tail: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None,
-    ) -> set[int]:
-        """One scatter and one gather per layer for the whole batch (the per-request
-        indexing was most of a run's time). Writes go first, as a real layer writes
-        the step's KV before its attention reads: a request may read blocks that
-        another one computes in the same step (vLLM caches them at scheduling).
-        A drafter group's `tail` (which reads are a block's last slot, their prefix
-        values, the engine's salt, the heads): those slots must hold a drafter value
-        for some next token."""
-        read_blocks, read_offsets, read_want = (
-            torch.cat(t) for t in zip(*read, strict=True)
-        )
-        write_blocks, write_offsets, write_want = (
-            torch.cat(t) for t in zip(*written, strict=True)
-        )
-        wrong: set[int] = set()
-        for layer in layers:
-            kv = rank.kv[layer]
-            # Indexed by (blocks, offsets) around the heads' slice: [n, heads, 2].
-            kv[write_blocks, :, write_offsets] = write_want[:, :, None]
-            got = kv[read_blocks, :, read_offsets]
-            bad = (got != read_want[:, :, None]).flatten(1).any(dim=1)
-            if tail is not None and (loose := tail[0]).any():
-                tail_ok = self.oracle.is_drafter_tail(
-                    got[loose, :, 0], tail[1][loose], *tail[2:]
-                ) & (got[loose, :, 0] == got[loose, :, 1]).all(dim=1)
-                bad[loose] = ~tail_ok
-            wrong.update(read_blocks[bad].tolist())
-        return wrong
 
     def _settle(self, engine: Engine) -> None:
         """Waits until each rank's store thread is idle or held in a call: what the
@@ -874,20 +927,38 @@ class World:
         for _ in range(600):
             self._tick(faults=False)
             for engine in self.engines:
+                with self._in_process(engine):
+                    self._runtime_event(engine)  # one that waited for a reset
                 self._step(engine)
                 self._check_violations()
-            if not any(self._busy(e) for e in self.engines):
+            if not any(self._busy(e) for e in self.engines) and self._event_done():
                 break
         for engine in self.engines:
             self._check_empty(engine)
+            self._check_still_shared(engine)
+        self._check_violations()
         if self.backend.num_pending():
             raise Violation("store calls left at quiescence")
+
+    def _event_done(self) -> bool:
+        event = self.event
+        return event is None or all(
+            e.change.fired_at is not None
+            for e in self.engines
+            if e.name == event.engine
+        )
 
     @property
     def shape(self) -> str:
         """The engines' TP sizes and the KV's kind, e.g. `A tp 2, A2 tp 4, B tp 2`."""
         sizes = ", ".join(f"{e.name} tp {len(e.ranks)}" for e in self.engines)
         kv = ", replicated KV" if self.replicated else ""
+        event = self.event
+        if event is not None:
+            return (
+                f"{sizes}{kv}, {event.kind} on {event.engine} ({event.mode}) at "
+                f"step {event.step}"
+            )
         return f"{sizes}{kv}, B differs by {self.identities.kind}"
 
     def summary(self) -> str:
@@ -909,6 +980,9 @@ class World:
             ):
                 total[name] = total.get(name, 0) + int(getattr(stats, name))
             total["requests"] = total.get("requests", 0) + len(engine.added)
+        for engine in self.engines:
+            if engine.change.fired_at is not None:
+                total[f"{engine.name} changed at step"] = engine.change.fired_at
         reads = self.backend.cross_reads
         total |= {f"values {w}->{r}": n for (w, r), n in sorted(reads.items())}
         return ", ".join(f"{k} {v}" for k, v in total.items())

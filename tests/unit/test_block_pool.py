@@ -243,6 +243,28 @@ def test_reset_drops_only_ready_unpinned_blocks() -> None:
     assert pool.reset() == 2 and len(pool) == 0 and pool.num_free == 8
 
 
+def test_blocks_held_through_a_reset_are_never_hits_again() -> None:
+    # vLLM resets before it changes the weights: a block pinned by a load or still
+    # being stored at the reset holds KV of the old weights; once unpinned or stored
+    # it stays held (so it is not stored again) but no lookup sees it, until evicted.
+    pool = make_pool(4)
+    store(pool, ["a", "b"])
+    pool.pin(["a"])
+    pool.allocate_for_store(["c"], "b")
+    assert pool.reset() == 1  # "b"
+    pool.unpin(["a"])
+    pool.complete_store(["c"], True)
+    assert pool.count_hits(["a"]) == 0 and pool.count_hits(["c"]) == 0
+    assert pool.state_of("a") is pool.state_of("c") is BlockState.STORING
+    assert pool.allocate_for_store(["a", "d"], None) == [("d", 1)]
+    pool.check_invariants()
+    store(pool, ["e", "f", "g"])  # one free block; "a" and "c" go before "d"
+    assert "a" not in pool and "c" not in pool and "d" in pool
+    store(pool, ["a"])  # stored anew: a hit again
+    assert pool.count_hits(["a"]) == 1
+    pool.check_invariants()
+
+
 # ----- events -----
 
 

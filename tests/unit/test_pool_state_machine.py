@@ -3,7 +3,8 @@
 Random lookups, store allocations, store completions (success and failure), loads
 (pin/unpin), resets, and evictions under pressure, checked against a model after every
 step: the pool holds exactly the keys the model holds, in the same states; a pinned or
-storing block is never evicted; lookups return the longest READY prefix; the capacity
+storing block is never evicted; lookups return the longest READY prefix, and a block
+held through a reset is never seen again; the capacity
 bound holds; and `check_invariants` passes. For the chain-aware policy, every victim is
 checked when it is chosen: an orphan goes before any other block, and a block with
 children in the pool is never a victim unless it is an orphan itself, so eviction never
@@ -38,6 +39,9 @@ class PoolMachine(RuleBasedStateMachine):
         policy = make_policy(self.policy_name, 8)
         self.pool = HostBlockPool(self.num_blocks, policy)
         self.state: dict[BlockKey, BlockState] = {}  # the model: key -> state
+        # Keys held through a reset: never visible to lookups again (STORING to
+        # `state_of`), whatever their state.
+        self.stale: set[BlockKey] = set()
         self.pins: dict[BlockKey, int] = {}  # key -> loads in flight
         self.block_ids: dict[BlockKey, int] = {}
         self.victims = 0
@@ -77,6 +81,7 @@ class PoolMachine(RuleBasedStateMachine):
                     assert self.pins.get(key, 0) == 0, f"evicted pinned {key}"
                     del self.state[key]
                     del self.block_ids[key]
+                    self.stale.discard(key)
                 else:
                     assert self.state.get(key) is BlockState.STORING
                     self.state[key] = BlockState.READY
@@ -113,13 +118,14 @@ class PoolMachine(RuleBasedStateMachine):
             for key in keys:
                 del self.state[key]
                 del self.block_ids[key]
+                self.stale.discard(key)
         self._apply_events()
 
     @rule(keys=CHAINS)
     def lookup(self, keys: list[int]) -> None:
         expected = 0
         for key in keys:
-            if self.state.get(key) is not BlockState.READY:
+            if self.state.get(key) is not BlockState.READY or key in self.stale:
                 break
             expected += 1
         assert self.pool.count_hits(keys) == expected
@@ -154,6 +160,7 @@ class PoolMachine(RuleBasedStateMachine):
         expected = [k for k in self._keys_in(BlockState.READY) if k not in self.pins]
         assert dropped == len(expected)
         self._apply_events()
+        self.stale = set(self.state)
 
     @rule(chain=CHAINS)
     def store_under_pressure(self, chain: list[int]) -> None:
@@ -174,7 +181,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(self.pool) == len(self.state) <= self.num_blocks
         assert self.pool.num_free == self.num_blocks - len(self.state)
         for key in range(24):
-            assert self.pool.state_of(key) is self.state.get(key), key
+            seen = BlockState.STORING if key in self.stale else self.state.get(key)
+            assert self.pool.state_of(key) is seen, key
         for pinned in self.pins:
             assert self.state[pinned] is BlockState.READY, (
                 "a pinned block lost its state"

@@ -9,6 +9,9 @@ victims when it needs room.
 Invariants (checked by `check_invariants`, and by asserts on the hot path):
 - A pinned block is never evicted, dropped by `reset`, or reused.
 - A STORING block is never visible to lookups and never evicted.
+- A block `reset` could not drop (pinned or STORING) is never visible to lookups again:
+  it holds KV of before the reset (vLLM resets before changing the weights), so it
+  stays held, unread, until freed: evicted before any other once it is evictable.
 - Blocks in use <= `num_blocks`; every host block id is either free or held by one key.
 - A key maps to at most one host block; freed ids are reused.
 
@@ -62,6 +65,8 @@ class HostBlockPool:
         self._persistence = persistence
         # Blocks of sessions that ended (`demote`), evicted before the policy's victims.
         self._doomed: OrderedDict[int, BlockKey] = OrderedDict()
+        # Ids of blocks held through a `reset`: never visible to lookups again.
+        self._stale: set[int] = set()
 
     # ----- sizes -----
 
@@ -93,8 +98,14 @@ class HostBlockPool:
         return key in self._by_key
 
     def state_of(self, key: BlockKey) -> BlockState | None:
-        """The key's state, or None if the pool does not hold it."""
-        return None if (block := self._by_key.get(key)) is None else block.state
+        """The key's state, or None if the pool does not hold it; a block held through
+        a `reset` is STORING for good (held, invisible)."""
+        block = self._by_key.get(key)
+        if block is None:
+            return None
+        if self._stale and block.block_id in self._stale:
+            return BlockState.STORING
+        return block.state
 
     # ----- lookups and loads -----
 
@@ -109,9 +120,12 @@ class HostBlockPool:
         append = hits.append
         get = self._by_key.get
         ready = BlockState.READY
+        stale = self._stale
         for key in keys:
             block = get(key)
             if block is None or block.state is not ready:
+                break
+            if stale and block.block_id in stale:
                 break
             append(block)
         if hits and use:
@@ -130,10 +144,13 @@ class HostBlockPool:
         """
         get = self._by_key.get
         ready = BlockState.READY
+        stale = self._stale
         used = [
             block
             for key in reversed(keys)
-            if (block := get(key)) and block.state is ready
+            if (block := get(key))
+            and block.state is ready
+            and not (stale and block.block_id in stale)
         ]
         if used:
             if by_device:
@@ -288,6 +305,9 @@ class HostBlockPool:
         checked = cast("list[HostBlock]", done)  # no None: checked above
         if success:
             self.policy.on_ready(checked)
+            if self._stale:
+                for block in checked:
+                    self._doom_if_stale(block)
             if self._persistence is not None:
                 self._persistence.record(
                     [
@@ -342,9 +362,14 @@ class HostBlockPool:
         held).
 
         Returns:
-            How many blocks were dropped. Pinned and STORING blocks stay.
+            How many blocks were dropped. Pinned and STORING blocks stay, never
+            visible to lookups again: what they hold was computed before the reset,
+            and vLLM resets before it changes the weights.
 
         """
+        self._stale.update(
+            block.block_id for block in self._by_key.values() if not block.evictable
+        )
         dropped = [block for block in self._by_key.values() if block.evictable]
         keys = []
         for block in dropped:
@@ -387,6 +412,7 @@ class HostBlockPool:
         for block in self._free:
             assert block.key is None and block.owner is None and block.num_children == 0
         assert storing == self._num_storing and pinned == self._num_pinned
+        assert self._stale <= held_ids, "a stale id is not held"
 
     # ----- internals -----
 
@@ -418,6 +444,14 @@ class HostBlockPool:
         if block.pin_count == 0:
             self._num_pinned -= 1
             self.policy.on_unpin(block)
+            if self._stale:
+                self._doom_if_stale(block)
+
+    def _doom_if_stale(self, block: HostBlock) -> None:
+        """A block held through a reset that is evictable now goes first."""
+        if block.block_id in self._stale and block.evictable:
+            assert block.key is not None
+            self._doomed[block.block_id] = block.key
 
     def _room_for(
         self, key: BlockKey, keys: Sequence[BlockKey], evicted: list[BlockKey]
@@ -460,6 +494,7 @@ class HostBlockPool:
         """Frees a block the policy no longer lists; its children become orphans."""
         assert block.pin_count == 0 and block.owner is None
         self._doomed.pop(block.block_id, None)
+        self._stale.discard(block.block_id)
         if self._persistence is not None:
             self._persistence.clear(block.block_id)
         del self._by_key[block.key]
