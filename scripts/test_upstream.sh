@@ -158,8 +158,14 @@ pytest_() {  # pytest_ NAME TEST...
 import re
 import sys
 
-# the summary line: "3 passed, 1 failed, 2 skipped, 1 error in 9.1s"
-tail = (open(sys.argv[1]).read().splitlines() or [""])[-1]
+# the summary line, "3 passed, 1 failed, 2 skipped, 1 error in 9.1s" (engines shutting
+# down may log after it)
+summaries = [
+    line
+    for line in open(sys.argv[1]).read().splitlines()
+    if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s", line)
+]
+tail = summaries[-1] if summaries else ""
 counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error)", tail)}
 run = sum(counts.values())
 passed, again, rc = counts.get("passed", 0), int(sys.argv[2]), int(sys.argv[3])
