@@ -149,8 +149,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
 def engine_argv(args: argparse.Namespace, dtype: str, layers: int) -> list[str]:
-    doc_blocks = -(-args.doc_tokens // BLOCK_SIZE)
+    doc_blocks = blocks(args.doc_tokens)
     shape = shape_of(layers)
     block_bytes = (
         2 * shape.num_layers * BLOCK_SIZE * shape.num_kv_heads
@@ -158,10 +162,12 @@ def engine_argv(args: argparse.Namespace, dtype: str, layers: int) -> list[str]:
     )  # fmt: skip
     host_gib = args.host_docs * doc_blocks * block_bytes / (1 << 30)
     device_blocks = args.device_docs * doc_blocks
-    convoy_blocks = -(
-        -args.convoy_prefix_tokens // BLOCK_SIZE
-    ) + args.convoy_requests * (
-        -(-(args.convoy_suffix_tokens + args.max_tokens) // BLOCK_SIZE) + 1
+    # the prefix, each request's suffix and output, the document ahead of them
+    suffix_tokens = args.convoy_suffix_tokens + args.max_tokens
+    convoy_blocks = (
+        blocks(args.convoy_prefix_tokens)
+        + args.convoy_requests * (blocks(suffix_tokens) + 1)
+        + blocks(args.doc_tokens + args.max_tokens)
     )
     if args.convoy_rounds and convoy_blocks > device_blocks:
         raise SystemExit(

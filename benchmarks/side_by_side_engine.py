@@ -13,8 +13,9 @@ Workloads, each after both tiers are emptied:
 - `no_reuse`: unique prompts, one at a time: the tiers' cost where nothing is reused.
 - `convoy`: a long prefix read once, the device cache emptied (the prefix is then in
   host memory only), and `--convoy-requests` requests that share it and differ in a
-  short suffix sent at once (vLLM issue #44294's shape). Repeated `--convoy-rounds`
-  times with a new prefix each.
+  short suffix sent at once (vLLM issue #44294's shape), behind one unrelated
+  document that keeps the engine busy while they arrive (`run_convoy`). Repeated
+  `--convoy-rounds` times with a new prefix each.
 
 Per request: time to first token as vLLM's frontend measures it (arrival to first
 token, `RequestOutput.metrics.first_token_latency`), the wall time of the call when
@@ -96,7 +97,7 @@ def make_llm(args: argparse.Namespace) -> Any:
         block_size=BLOCK_SIZE,
         num_gpu_blocks_override=args.device_blocks,
         max_model_len=longest + BLOCK_SIZE + args.max_tokens,
-        max_num_seqs=max(4, args.convoy_requests),
+        max_num_seqs=args.convoy_requests + 1,  # a convoy and the document ahead
         max_num_batched_tokens=4096,
         dtype=args.dtype,
         seed=0,
@@ -222,6 +223,11 @@ def run_no_reuse(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_convoy(llm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each round: the prefix computed once and stored, the device cache emptied,
+    then a burst. Its first request, a document that shares nothing, keeps the engine
+    busy with its prefill while the client hands over the others: the engine core
+    takes requests between steps, so the convoy's requests reach its scheduler in
+    the same step instead of one by one behind a first short step."""
     from vllm_cpu_offload.testing.tiny_model import random_token_ids
 
     rounds = []
@@ -235,8 +241,10 @@ def run_convoy(llm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         ]
         read_one_at_a_time(llm, prompts[:1], 1)  # the prefix's first (only) compute
         empty_device_cache(llm)
+        busy = random_token_ids(rng, args.doc_tokens)
         phase = Phase(llm)
-        rounds.append(phase.end(read_at_once(llm, prompts[1:], args.max_tokens)))
+        burst = read_at_once(llm, [busy, *prompts[1:]], args.max_tokens)
+        rounds.append(phase.end(burst[1:]) | {"busy": burst[0]})
     return rounds
 
 
@@ -255,10 +263,10 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags the driver passes on to every engine process."""
-    parser.add_argument("--docs", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--docs", type=int, nargs="*", default=[16, 32, 64])
     parser.add_argument("--doc-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--no-reuse", type=int, default=16, help="unique prompts")
+    parser.add_argument("--no-reuse", type=int, default=24, help="unique prompts")
     parser.add_argument("--convoy-requests", type=int, default=8)
     parser.add_argument("--convoy-prefix-tokens", type=int, default=2000)
     parser.add_argument("--convoy-suffix-tokens", type=int, default=64)

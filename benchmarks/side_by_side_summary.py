@@ -204,10 +204,11 @@ def compare_outputs(rounds: list[dict[str, Any]], arms: Sequence[str]) -> dict:
 def summarize(
     rounds: list[dict[str, Any]], trace: dict[str, Any] | None, arms: Sequence[str]
 ) -> dict[str, Any]:
+    first = rounds[0][arms[0]]
     return {
         "reread": reread_table(rounds, arms),
-        "no_reuse": no_reuse_table(rounds, arms),
-        "convoy": convoy_table(rounds, arms),
+        "no_reuse": no_reuse_table(rounds, arms) if first["no_reuse"] else None,
+        "convoy": convoy_table(rounds, arms) if first["convoy"] else None,
         "trace": trace_table(trace),
         "outputs": compare_outputs(rounds, arms),
         "logs": {arm: [r[arm]["log"] for r in rounds] for arm in arms},
