@@ -47,7 +47,11 @@ from benchmarks.long_document_qa import (  # noqa: E402
     resolve_sizing,
     shape_of,
 )
-from benchmarks.side_by_side_engine import ARMS, add_workload_arguments  # noqa: E402
+from benchmarks.side_by_side_engine import (  # noqa: E402
+    ARMS,
+    MAX_BATCHED_TOKENS,
+    add_workload_arguments,
+)
 from benchmarks.side_by_side_summary import summarize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,7 +171,7 @@ def engine_argv(args: argparse.Namespace, dtype: str, layers: int) -> list[str]:
     convoy_blocks = (
         blocks(args.convoy_prefix_tokens)
         + args.convoy_requests * (blocks(suffix_tokens) + 1)
-        + blocks(args.doc_tokens + args.max_tokens)
+        + blocks(MAX_BATCHED_TOKENS + args.max_tokens)
     )
     if args.convoy_rounds and convoy_blocks > device_blocks:
         raise SystemExit(

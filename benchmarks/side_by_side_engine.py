@@ -36,12 +36,18 @@ from typing import Any
 from benchmarks.engine_runs import print_result
 from benchmarks.long_document_qa import (
     BLOCK_SIZE,
+    DTYPE_BYTES,
     _engine_cpu_seconds,
     _steal_seconds,
     shape_of,
 )
+from vllm_cpu_offload.testing.tiny_model import TinyLlamaShape
 
-ARMS = ("none", "vllm", "vllm+prefix_aware", "plugin")
+ARMS = ("none", "vllm", "vllm+prefix_aware", "vllm+sync_load", "plugin")
+# vLLM's loads within the step (`sync_load_budget_bytes`, off by default), up to the
+# plugin's bound for the same (`async_load_tokens`, 4096 tokens), in bytes per step.
+SYNC_LOAD_TOKENS = 4096
+MAX_BATCHED_TOKENS = 4096  # a step's token budget
 # vLLM's own policy by name, the plugin's through the module path vLLM loads it from.
 PREFIX_AWARE_CONFIG = {
     "eviction_policy": "PrefixAwareCachePolicy",
@@ -62,7 +68,7 @@ COUNTERS = (
 )
 
 
-def arm_kwargs(arm: str, host_gib: float) -> dict[str, Any]:
+def arm_kwargs(arm: str, host_gib: float, kv_bytes_per_token: int) -> dict[str, Any]:
     """The engine arguments that make `arm`, at `host_gib` GiB of host tier."""
     if arm == "none":
         return {}
@@ -78,9 +84,24 @@ def arm_kwargs(arm: str, host_gib: float) -> dict[str, Any]:
                 "kv_load_failure_policy": "recompute",
             },
         }
+    if arm == "vllm+sync_load":
+        return {
+            "kv_offloading_size": host_gib,
+            "kv_transfer_config": {
+                "kv_connector_extra_config": {
+                    "sync_load_budget_bytes": SYNC_LOAD_TOKENS * kv_bytes_per_token
+                },
+                "kv_load_failure_policy": "recompute",
+            },
+        }
     if arm == "plugin":
         return {"enable_cpu_offload": True, "swap_space": host_gib}
     raise ValueError(f"unknown arm {arm!r}; choose one of {', '.join(ARMS)}")
+
+
+def kv_bytes_per_token(shape: TinyLlamaShape, dtype: str) -> int:
+    head_dim = shape.hidden_size // shape.num_heads
+    return 2 * shape.num_layers * shape.num_kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
 def make_llm(args: argparse.Namespace) -> Any:
@@ -89,20 +110,23 @@ def make_llm(args: argparse.Namespace) -> Any:
     from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
 
     longest = max(
-        args.doc_tokens, args.convoy_prefix_tokens + args.convoy_suffix_tokens
+        args.doc_tokens,
+        args.convoy_prefix_tokens + args.convoy_suffix_tokens,
+        MAX_BATCHED_TOKENS,  # the document ahead of a convoy
     )
+    shape = shape_of(args.layers)
     return LLM(
-        str(ensure_tiny_llama(shape_of(args.layers))),
+        str(ensure_tiny_llama(shape)),
         enforce_eager=True,
         block_size=BLOCK_SIZE,
         num_gpu_blocks_override=args.device_blocks,
         max_model_len=longest + BLOCK_SIZE + args.max_tokens,
         max_num_seqs=args.convoy_requests + 1,  # a convoy and the document ahead
-        max_num_batched_tokens=4096,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
         dtype=args.dtype,
         seed=0,
         disable_log_stats=False,  # the counters and per-request TTFT
-        **arm_kwargs(args.arm, args.host_gib),
+        **arm_kwargs(args.arm, args.host_gib, kv_bytes_per_token(shape, args.dtype)),
     )
 
 
@@ -142,6 +166,9 @@ def _record(out: Any, wall: float | None) -> dict[str, Any]:
         "ttft_s": m.first_token_latency,
         # in the waiting queue until first scheduled, then until the first token
         "queued_s": m.scheduled_ts - m.queued_ts,
+        "queued_ts": m.queued_ts,
+        "scheduled_ts": m.scheduled_ts,
+        "first_token_ts": m.first_token_ts,
         "scheduled_to_token_s": m.first_token_ts - m.scheduled_ts,
         "wall_s": wall,
         "cached": out.num_cached_tokens or 0,
@@ -224,10 +251,11 @@ def run_no_reuse(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_convoy(llm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each round: the prefix computed once and stored, the device cache emptied,
-    then a burst. Its first request, a document that shares nothing, keeps the engine
-    busy with its prefill while the client hands over the others: the engine core
-    takes requests between steps, so the convoy's requests reach its scheduler in
-    the same step instead of one by one behind a first short step."""
+    then a burst. The engine core takes requests between steps, so requests a client
+    hands over one by one could reach its scheduler over two steps. The burst's
+    first request, a document that shares nothing and fills a step's token budget,
+    makes the first step its alone while the convoy's requests arrive: the scheduler
+    then sees all of them in the same step (`together` in the result checks it)."""
     from vllm_cpu_offload.testing.tiny_model import random_token_ids
 
     rounds = []
@@ -241,10 +269,17 @@ def run_convoy(llm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         ]
         read_one_at_a_time(llm, prompts[:1], 1)  # the prefix's first (only) compute
         empty_device_cache(llm)
-        busy = random_token_ids(rng, args.doc_tokens)
+        unrelated = random_token_ids(rng, MAX_BATCHED_TOKENS)
         phase = Phase(llm)
-        burst = read_at_once(llm, [busy, *prompts[1:]], args.max_tokens)
-        rounds.append(phase.end(burst[1:]) | {"busy": burst[0]})
+        burst = read_at_once(llm, [unrelated, *prompts[1:]], args.max_tokens)
+        ahead, convoy = burst[0], burst[1:]
+        first_scheduled = min(r["scheduled_ts"] for r in convoy)
+        together = all(r["queued_ts"] <= first_scheduled for r in convoy)
+        for r in convoy:
+            # From the end of the step that prefilled the document ahead, when the
+            # engine turns to the convoy: the same wait is left out of every arm.
+            r["after_ahead_s"] = r["first_token_ts"] - ahead["first_token_ts"]
+        rounds.append(phase.end(convoy) | {"ahead": ahead, "together": together})
     return rounds
 
 
