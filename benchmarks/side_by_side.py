@@ -237,12 +237,13 @@ def main() -> None:
              "wall_s": time.perf_counter() - start}  # fmt: skip
     summary = summarize(rounds, trace, args.arms)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
-                             for k, v in vars(args).items()},
-                    **info, "summary": summary, "trace": trace, "rounds": rounds})
-    )  # fmt: skip
-    print(f"json: {args.out}")
+    shown = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    head = {"args": shown, **info, "summary": summary}
+    args.out.write_text(json.dumps(head | {"trace": trace, "rounds": rounds}))
+    # without the requests: what docs/figures keeps
+    compact = args.out.with_name(args.out.stem + "_summary.json")
+    compact.write_text(json.dumps(head, indent=1))
+    print(f"json: {args.out}, {compact}")
 
 
 if __name__ == "__main__":
