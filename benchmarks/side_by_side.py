@@ -8,6 +8,8 @@ importable beside it:
 - `vllm`: `kv_offloading_size` (vLLM's OffloadingConnector, its default `lru`);
 - `vllm+prefix_aware`: the same with the plugin's `prefix_aware` as its `CachePolicy`
   (`eviction_policy` + `cache_policy_module_path`);
+- `vllm+sync_load`: `vllm` with `sync_load_budget_bytes` (vLLM 0.33's loads within the
+  step, off by default) at the plugin's bound for the same, 4,096 tokens;
 - `plugin`: `--enable-cpu-offload --swap-space` at the same host bytes.
 
 Workloads: (a) long documents read, then re-read (more than the device cache holds);
@@ -23,7 +25,8 @@ The dtype and depth come from benchmarks/long_document_qa.py's probe of this CPU
 Run it with the vLLM 0.33.0 environment's Python (scripts/setup_vllm033_env.sh):
 
     .venv-vllm033/bin/python benchmarks/side_by_side.py --patches upstream
-    # -> benchmarks/results/side_by_side.json, engine logs in side_by_side_logs/
+    # -> benchmarks/results/side_by_side.json, side_by_side_summary.json (without the
+    #    requests: the copy docs/figures keeps), engine logs in side_by_side_logs/
 """
 
 from __future__ import annotations
