@@ -135,13 +135,18 @@ class OracleAdmitTier(OurTier):
 
 
 class VllmTier:
-    """vLLM 0.32's CPUOffloadingManager, as its OffloadingConnector drives it."""
+    """vLLM's CPUOffloadingManager (0.32, 0.33), as its OffloadingConnector drives
+    it; `module_path` loads `policy` from outside vLLM (`cache_policy_module_path`)."""
 
-    def __init__(self, policy: str, capacity: int) -> None:
+    def __init__(
+        self, policy: str, capacity: int, module_path: str | None = None
+    ) -> None:
         from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-        self.manager = CPUOffloadingManager(capacity, cache_policy=policy)
+        self.manager = CPUOffloadingManager(
+            capacity, cache_policy=policy, cache_policy_module_path=module_path
+        )
         self._hit = LookupResult.HIT
         self._ctx = ReqContext
         self._key = make_offload_key
