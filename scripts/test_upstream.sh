@@ -311,6 +311,23 @@ for patch in "${PATCHES[@]}"; do
   printf '%-5s %-6s %-6s %-6s %-8s %-10s %s\n' "$k" "$code" "$(test_lines)" \
     "$hooks_result" "$own" "$theirs" "$((SECONDS - t0))"
 done
+# The plugin's prefix_aware as the CachePolicy of vLLM's own connector, end to end on the
+# patched tree (tests/e2e/test_vllm_offloading_prefix_aware.py): the whole series' vllm/
+# overlay, without the blocker, so that the plugin's policy module imports.
+PLUGIN_SIDE="$WORK/overlay-with-plugin"
+mkdir -p "$PLUGIN_SIDE"
+ln -sfn "$OVERLAY/vllm" "$PLUGIN_SIDE/vllm"
+t0=$SECONDS
+rc=0
+(cd "$REPO" && PYTHONPATH="$PLUGIN_SIDE:$REPO" nice env -u VLLM_PLUGINS "$PY033" -m pytest -q \
+  -p no:cacheprovider -rs tests/e2e/test_vllm_offloading_prefix_aware.py) \
+  > "$LOG/plugin-policy.log" 2>&1 || rc=$?
+# skipped counts as failed: the series' worker must be importable there
+if [ "$rc" -ne 0 ] || ! grep -qE '^[0-9]+ passed' <(grep -E ' in [0-9.]+s' "$LOG/plugin-policy.log"); then
+  tail -n 30 "$LOG/plugin-policy.log" | sed 's/^/  [plugin policy] /' >&2
+  failed+=("plugin-policy")
+fi
+echo "prefix_aware through vLLM's own connector, patched tree: rc $rc, $((SECONDS - t0)) s"
 median="$(printf '%s\n' "${sizes[@]}" | sort -n | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}')"
 echo "median code lines: $median"
 if awk "BEGIN {exit !($median > 350)}"; then
