@@ -174,7 +174,7 @@ def forward(
         want_written = written.values(mix)
         want = read.values(mix)
         before = None if read.old_salts is None else read.values(mix, old=True)
-        tail: Callable[[torch.Tensor], torch.Tensor] | None = None
+        tail: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         if group == 1:
             tail = _tail_check(oracle, read, slots.read[0].base, ranks, block_size)
         for layer in layers:
@@ -197,7 +197,7 @@ def _tail_check(
     prefix: torch.Tensor,
     ranks: torch.Tensor,
     block_size: int,
-) -> Callable[[torch.Tensor], torch.Tensor] | None:
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """What marks, in a drafter group's read, the slots at a block's last position
     bad unless they hold a drafter value for some next token (K and V alike) in the
     salt of now or, where allowed, of before; None where no read is at one."""
