@@ -143,15 +143,20 @@ def computed_tokens(engine: Engine) -> dict[str, int]:
 
 def resettable(engine: Engine) -> bool:
     """Whether vLLM's `reset_prefix_cache(reset_running_requests=True)` frees every
-    device block now: no request waits for a load spanning steps, nor holds its
-    blocks past its end (stores in flight). vLLM's pause waits for that too."""
+    device block now: only running requests (which it preempts) hold blocks; none
+    waits for a load spanning steps, is back in the queue with the blocks a load
+    filled, or holds its blocks past its end (stores in flight). vLLM's pause waits
+    for that too."""
     from vllm.v1.request import RequestStatus
 
-    return all(
-        r.status
-        in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        for r in engine.scheduler.requests.values()
-    )
+    manager = engine.scheduler.kv_cache_manager
+    queued = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    for req_id, request in engine.scheduler.requests.items():
+        if request.status == RequestStatus.RUNNING:
+            continue
+        if request.status not in queued or any(manager.get_block_ids(req_id)):
+            return False
+    return True
 
 
 def tell_workers(engine: Engine) -> None:

@@ -49,7 +49,7 @@ import subprocess
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -473,8 +473,21 @@ class World:
 
     def _act(self, engine: Engine) -> None:
         """Random arrivals, aborts, cache resets, and this step's copy faults."""
-        with self._in_process(engine):
-            self._act_in_process(engine)
+        self._in_its_process(engine, self._act_in_process)
+
+    def _in_its_process(self, engine: Engine, work: Callable[[Engine], None]) -> None:
+        """Runs `work` as `engine`'s process would; an exception is a violation of
+        this step (with its traceback and replay line), not the end of the sweep."""
+        try:
+            with self._in_process(engine):
+                work(engine)
+        except Violation:
+            raise
+        except Exception as e:
+            raise Violation(
+                f"step {self.step_no}, engine {engine.name}: "
+                f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            ) from e
 
     @staticmethod
     @contextmanager
@@ -734,16 +747,7 @@ class World:
             self._violation(f"{req_id} finished twice")
 
     def _step(self, engine: Engine) -> None:
-        try:
-            with self._in_process(engine):
-                self._step_or_raise(engine)
-        except Violation:
-            raise
-        except Exception as e:
-            raise Violation(
-                f"step {self.step_no}, engine {engine.name}: "
-                f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            ) from e
+        self._in_its_process(engine, self._step_or_raise)
 
     def _step_or_raise(self, engine: Engine) -> None:
         scheduler = engine.scheduler
@@ -927,8 +931,8 @@ class World:
         for _ in range(600):
             self._tick(faults=False)
             for engine in self.engines:
-                with self._in_process(engine):
-                    self._runtime_event(engine)  # one that waited for a reset
+                # An event that waited for a reset.
+                self._in_its_process(engine, self._runtime_event)
                 self._step(engine)
                 self._check_violations()
             if not any(self._busy(e) for e in self.engines) and self._event_done():
