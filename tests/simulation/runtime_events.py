@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import random
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -76,13 +76,43 @@ def event_of(kind: str, seed: int, steps: int) -> RuntimeEvent | None:
 class Stale:
     """What an engine's reads may still hold after its KV changed: the values of before
     (today's XOR `mix`), in blocks whose hash it held then (vLLM's prefix cache, its
-    host tier) or at positions a request in flight had computed then."""
+    host tier), or that a request in flight then had computed part of (a block it
+    completes after the change holds values of both, and vLLM's prefix cache, like
+    the engine's host tier, serves it by its hash), or at positions a request in
+    flight had computed then."""
 
     mix: int
-    hashes: frozenset[bytes]
+    hashes: set[bytes]
     computed: dict[str, int]  # request -> tokens computed at the change
     # The requests it applies to (None: every request of the engine).
     requests: frozenset[str] | None = None
+    # Requests in flight at the change, and how many of their first blocks hold
+    # positions computed then, until those blocks are all hashed.
+    partial: dict[str, tuple[Any, int]] = field(default_factory=dict)
+
+    @classmethod
+    def at_change(
+        cls,
+        engine: Engine,
+        mix: int,
+        block_size: int,
+        requests: frozenset[str] | None = None,
+    ) -> Stale:
+        computed = computed_tokens(engine)
+        stale = cls(mix, set(held_hashes(engine)), computed, requests)
+        for req_id, tokens in computed.items():
+            if tokens and (requests is None or req_id in requests):
+                request = engine.scheduler.requests[req_id]
+                stale.partial[req_id] = (request, -(-tokens // block_size))
+        return stale
+
+    def _hash_partial(self) -> None:
+        """Takes in the hashes of in-flight requests' blocks completed since."""
+        for req_id, (request, blocks) in list(self.partial.items()):
+            hashes = request.block_hashes
+            self.hashes.update(bytes(h) for h in hashes[:blocks])
+            if len(hashes) >= blocks:
+                del self.partial[req_id]
 
     def allowed(
         self, req_id: str, block_hashes: Any, done: int, block_size: int
@@ -91,6 +121,8 @@ class Stale:
         before; None where at none."""
         if self.requests is not None and req_id not in self.requests:
             return None
+        if self.partial:
+            self._hash_partial()
         upto = self.computed.get(req_id, 0)
         blocks = (done + block_size - 1) // block_size
         held = [bytes(h) in self.hashes for h in block_hashes[:blocks]]

@@ -76,9 +76,7 @@ from tests.simulation.runtime_events import (
     WEIGHTS_MIX,
     EngineChange,
     Stale,
-    computed_tokens,
     event_of,
-    held_hashes,
     resettable,
     rewrite_in_place,
     tell_workers,
@@ -658,7 +656,7 @@ class World:
             ):
                 self._violation(f"engine {engine.name}: the cache reset failed")
         else:
-            stale = Stale(WEIGHTS_MIX, held_hashes(engine), computed_tokens(engine))
+            stale = Stale.at_change(engine, WEIGHTS_MIX, BLOCK_SIZE)
         tell_workers(engine)
         engine.salt ^= WEIGHTS_MIX
         engine.change.stale = stale
@@ -679,9 +677,7 @@ class World:
         change = engine.change
         change.mixed = mixed
         change.reloaded_adapter = True
-        change.stale = Stale(
-            ADAPTER_MIX, held_hashes(engine), computed_tokens(engine), mixed
-        )
+        change.stale = Stale.at_change(engine, ADAPTER_MIX, BLOCK_SIZE, mixed)
 
     def _check_still_shared(self, engine: Engine) -> None:
         """An engine whose weights and files never changed still shares: its store
