@@ -40,6 +40,10 @@ class OffloadStepMetadata(KVConnectorMetadata):
     writes: list[RemoteBlocks] = field(default_factory=list)
     # No request computes this step: a worker may wait (bounded) for its fetches.
     idle: bool = False
+    # How many weight changes the scheduler had heard of when it planned this step: a
+    # worker whose weights changed since refuses the step's loads, which read KV of
+    # weights it no longer has (`runtime_weights.py`).
+    weights_changes_heard: int = 0
 
 
 @dataclass
@@ -64,6 +68,9 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     # Why a worker's weights may no longer be those its start loaded (a weight
     # update or reload ran on it); None while they are (`runtime_weights.py`).
     weights_changed: str | None = None
+    # How many times the weights changed on the worker since its start (the most
+    # over workers).
+    weights_changes: int = 0
 
     @property
     def empty(self) -> bool:
@@ -85,6 +92,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
             self.written + other.written,
             all_of(self.write_stored, other.write_stored),
             self.weights_changed or other.weights_changed,
+            max(self.weights_changes, other.weights_changes),
         )
 
 

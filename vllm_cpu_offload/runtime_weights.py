@@ -9,8 +9,12 @@ but this one:
   is written to it or fetched from it) and in the scheduler half once it hears of it
   (nothing more is asked or planned): `SharedTier.seal`, `RemoteIO.seal`;
 - the file tier's fingerprint becomes this start's (`BlockIndex.make_private`): the
-  next start restores nothing of it.
-The host tier keeps serving this engine, as vLLM's own prefix cache does.
+  next start restores nothing of it;
+- the host tier drops every block it holds, and each worker refuses the loads of the
+  steps planned before the scheduler half heard of the change (vLLM recomputes them):
+  `HostTierScheduler.identity_changed`, `HostTierWorker.weights_changed`. A caller
+  that reset vLLM's prefix cache alone before the change is served nothing of before,
+  as by vLLM; what vLLM's prefix cache still holds it serves itself.
 
 The signs, whichever comes first:
 - vLLM resets the connector's cache (`reset_cache`): it does so before weight updates
@@ -88,12 +92,8 @@ def weights_changing(why: str) -> None:
 
 
 class RuntimeWeightsLayer(TierLayer):
-    """Stops sharing and keeping KV beyond this start once the weights may change."""
-
-    @classmethod
-    def wanted(cls, spec: OffloadSpec) -> bool:
-        config = spec.config
-        return config.remote_url is not None or config.swap_space_path is not None
+    """Stops serving KV of the weights before once the weights may change: every
+    tier wants it, the host tier alone too."""
 
     def __init__(self, spec: OffloadSpec) -> None:
         super().__init__(spec)
@@ -107,15 +107,15 @@ class RuntimeWeightsLayer(TierLayer):
         _workers.append(weakref.WeakMethod(worker.weights_changed))
 
     def _announce(self, why: str) -> None:
-        if self._announced:
-            return
-        self._announced = True
         config = self.spec.config
         effects = []
         if config.remote_url is not None:
             effects.append("nothing more is shared through the shared tier")
         if config.swap_space_path is not None:
             effects.append("the file tier restores none of it at the next start")
+        if self._announced or not effects:  # the host tier alone: it just drops
+            return
+        self._announced = True
         logger.warning(
             "CPU offload: %s; the weights may no longer be those the engine started "
             "with, so %s (restart the engine to share and keep KV again)",

@@ -1,11 +1,14 @@
 """What changes, while the fleet runs, the KV one engine computes (`identities.py`'s
 runtime kinds): at a seeded step mid-run, on one seeded engine (A, A2 or B),
-- `weights-updated`: its weights are replaced as vLLM replaces them, in one of two
+- `weights-updated`: its weights are replaced as vLLM replaces them, in one of three
   ways: `reset`, an RL loop's `pause_generation(clear_cache=True)` then
   `update_weights` (vLLM's scheduler resets its prefix cache, preempting every running
-  request, and the connector's cache; then each worker's weights change), or
-  `reload`, `collective_rpc("reload_weights")` alone (no reset: vLLM's own prefix
-  cache keeps what the old weights computed). Each worker is told through vLLM's own
+  request, and the connector's cache; then each worker's weights change);
+  `prefix-reset`, a caller's `reset_prefix_cache()` without `reset_connector`, then
+  `collective_rpc("reload_weights")` (vLLM's prefix cache holds nothing of before, the
+  connector was not told); or `reload`, `collective_rpc("reload_weights")` alone (no
+  reset: vLLM's own prefix cache keeps what the old weights computed). Each worker is
+  told through vLLM's own
   `Worker.reload_weights`, as the product wraps it, in a process of its own (the
   product's list of this process's worker halves holds that rank's alone). From then
   on the engine's KV has other values (the oracle's salt of the engine changes);
@@ -16,10 +19,11 @@ runtime kinds): at a seeded step mid-run, on one seeded engine (A, A2 or B),
   it, under their old hashes).
 
 What stays allowed after the change, as vLLM's own prefix cache allows it (`Stale`):
-reads of what the engine itself held then, in vLLM's prefix cache or its host tier, or
-had computed of a request still in flight, may hold the values of before. Nothing else
-may: a block of the store, or of another engine, computed with the old weights or
-files, read after the change, is a wrong value; and a block the changed engine writes
+reads of what vLLM's prefix cache of the engine held then, or of what a request still
+in flight had computed, may hold the values of before. Nothing else may: a block of
+the engine's host tier, of the store, or of another engine, computed with the old
+weights or files, read after the change, is a wrong value; and a block the changed
+engine writes
 to the store under a name the others compute holds other bytes than the name stands
 for (`Oracle.check_value`). The engines whose weights and files did not change keep
 sharing: at the end, none of them is sealed or holds a changed adapter identity.
@@ -57,7 +61,7 @@ class RuntimeEvent:
     kind: str  # "weights-updated" or "adapter-reloaded"
     engine: str
     step: int
-    mode: str  # weights: "reset" or "reload"; adapter: "in-place"
+    mode: str  # weights: "reset", "prefix-reset" or "reload"; adapter: "in-place"
 
 
 def event_of(kind: str, seed: int, steps: int) -> RuntimeEvent | None:
@@ -69,17 +73,19 @@ def event_of(kind: str, seed: int, steps: int) -> RuntimeEvent | None:
     engine = rng.choice(ENGINES)
     mode = rng.choice(("reset", "reload")) if kind == "weights-updated" else "in-place"
     step = rng.randrange(max(1, steps // 4), max(2, steps // 2 + 1))
+    if mode == "reload" and rng.random() < 0.5:  # drawn last: the rest draw as before
+        mode = "prefix-reset"
     return RuntimeEvent(kind, engine, step, mode)
 
 
 @dataclass
 class Stale:
     """What an engine's reads may still hold after its KV changed: the values of before
-    (today's XOR `mix`), in blocks whose hash it held then (vLLM's prefix cache, its
-    host tier), or that a request in flight then had computed part of (a block it
-    completes after the change holds values of both, and vLLM's prefix cache, like
-    the engine's host tier, serves it by its hash), or at positions a request in
-    flight had computed then."""
+    (today's XOR `mix`), in blocks whose hash vLLM's prefix cache held then, or that a
+    request in flight then had computed part of (a block it completes after the
+    change holds values of both, and vLLM's prefix cache, like the engine's host
+    tier, serves it by its hash), or at positions a request in flight had computed
+    then. The host tier's blocks of then are not among them: it drops them."""
 
     mix: int
     hashes: set[bytes]
@@ -151,18 +157,15 @@ class EngineChange:
 
 
 def held_hashes(engine: Engine) -> frozenset[bytes]:
-    """The block hashes the engine holds now, in vLLM's prefix cache and its host
-    tier, in any state."""
+    """The block hashes vLLM's prefix cache of the engine holds now."""
     from vllm.v1.core.kv_cache_utils import get_block_hash
 
     pool = engine.scheduler.kv_cache_manager.block_pool
-    device = {
+    return frozenset(
         bytes(get_block_hash(b.block_hash))
         for b in pool.blocks
         if b.block_hash is not None
-    }
-    host = {bytes(h) for _, h in engine.tier.pool._by_key}
-    return frozenset(device | host)
+    )
 
 
 def computed_tokens(engine: Engine) -> dict[str, int]:

@@ -22,6 +22,7 @@ from vllm_cpu_offload import lora_identity, runtime_weights  # noqa: E402
 from vllm_cpu_offload.scheduler.tier_scheduler import (  # noqa: E402
     HostTierScheduler,
 )
+from vllm_cpu_offload.worker.tier_worker import HostTierWorker  # noqa: E402
 
 STATIC_KINDS = tuple(k for k in KINDS if k not in RUNTIME_KINDS)
 
@@ -113,11 +114,13 @@ RUNTIME_DEAF_TO: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "weights-updated": _weights_changes_unheard,
     "adapter-reloaded": _adapter_files_looked_at_once,
 }
-# Seeds of each runtime kind (weights: A2 reloads at step 20; A resets at step 17;
-# adapter: rewritten under A2 at step 23), and the steps they run.
+# Seeds of each runtime kind (weights: A2 reloads after a reset of vLLM's prefix
+# cache alone at step 20; A resets at step 17; A reloads at step 16; adapter:
+# rewritten under A2 at step 23), and the steps they run.
 RUNTIME_SEEDS = [
     ("weights-updated", 5),
     ("weights-updated", 40),
+    ("weights-updated", 12),
     ("adapter-reloaded", 6),
 ]
 RUNTIME_STEPS = 60
@@ -132,6 +135,40 @@ def test_a_runtime_change_unheard_is_caught(
     world = World(utils, tiny_model, seed, tp=1, steps=RUNTIME_STEPS)
     assert world.identities.kind == kind
     with pytest.raises(Violation, match="another block's|wrong KV"):
+        world.run()
+
+
+def _host_tier_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As before the host tier dropped its blocks at a weight change: the layers are
+    # told, the pool keeps what the old weights computed.
+    def told_only(self: HostTierScheduler, why: str) -> None:
+        for listener in self.on_identity_change:
+            listener(why)
+
+    monkeypatch.setattr(HostTierScheduler, "identity_changed", told_only)
+
+
+def _loads_of_the_window_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As before a worker refused the loads planned before the scheduler half heard
+    # of its weight change.
+    monkeypatch.setattr(HostTierWorker, "_planned_before_a_change", False)
+
+
+@pytest.mark.parametrize("blind", [_host_tier_kept, _loads_of_the_window_run])
+def test_old_kv_the_host_tier_serves_after_a_reload_is_caught(
+    tiny_model: str,
+    monkeypatch: pytest.MonkeyPatch,
+    blind: Callable[[pytest.MonkeyPatch], None],
+) -> None:
+    # Seed 5: A2's caller resets vLLM's prefix cache alone, then reloads the
+    # weights. vLLM serves nothing of before; a host tier that still does (from
+    # its blocks of before, or in the steps planned before it heard) reads a value
+    # of the old weights.
+    utils: Any = vllm_test_utils()
+    blind(monkeypatch)
+    world = World(utils, tiny_model, 5, tp=1, steps=RUNTIME_STEPS)
+    assert world.event is not None and world.event.mode == "prefix-reset"
+    with pytest.raises(Violation, match="wrong KV"):
         world.run()
 
 

@@ -641,9 +641,10 @@ class World:
 
     def _update_weights(self, engine: Engine, mode: str) -> bool:
         """The engine's weights replaced (`reset`: after vLLM's cache reset, as an RL
-        loop's pause does it; `reload`: alone); False where the reset must wait."""
+        loop's pause does it; `prefix-reset`: after a reset of vLLM's prefix cache
+        alone; `reload`: alone); False where the reset must wait."""
         stale = None
-        if mode == "reset":
+        if mode in ("reset", "prefix-reset"):
             if not resettable(engine):
                 return False
             if engine.pending is not None:  # the pause drains vLLM's batch queue
@@ -652,10 +653,10 @@ class World:
                 if not resettable(engine):
                     return False
             if not engine.scheduler.reset_prefix_cache(
-                reset_running_requests=True, reset_connector=True
+                reset_running_requests=True, reset_connector=mode == "reset"
             ):
                 self._violation(f"engine {engine.name}: the cache reset failed")
-        else:
+        if mode != "reset":
             stale = Stale.at_change(engine, WEIGHTS_MIX, BLOCK_SIZE)
         tell_workers(engine)
         engine.salt ^= WEIGHTS_MIX

@@ -539,14 +539,28 @@ def test_reset_cache_tells_the_layers_the_identity_may_change() -> None:
     engine.tier.on_identity_change.append(told.append)
     engine.tier.reset_cache()
     assert len(told) == 1 and "reset" in told[0]
-    store = _prefill(engine, _request("a", list(range(10)))).stores[0]
+    a = _request("a", list(range(10)))
+    store = _prefill(engine, a).stores[0]
 
     def settled() -> bool:
         return not engine.tier.num_jobs_in_flight
 
     engine.tier.on_identity_change.append(lambda why: told.append(str(settled())))
     engine.tier.update_connector_output(
-        OffloadWorkerReport(Counter([store.job_id]), weights_changed="reload_weights")
+        OffloadWorkerReport(
+            Counter([store.job_id]),
+            weights_changed="reload_weights",
+            weights_changes=1,
+        )
     )
     assert told[1:] == ["reload_weights", "False"]
     assert settled()
+    # The report's store held KV of the weights before: no lookup finds it.
+    assert engine.tier.pool.count_hits([(0, h) for h in a.block_hashes]) == 0
+    # Each step's metadata says how many changes the scheduler has heard of.
+    assert _prefill(engine, _request("b", list(range(20, 30)))).weights_changes_heard
+    # A change already heard of (another worker's report of it) changes nothing.
+    engine.tier.update_connector_output(
+        OffloadWorkerReport(weights_changed="reload_weights", weights_changes=1)
+    )
+    assert told[1:] == ["reload_weights", "False"]

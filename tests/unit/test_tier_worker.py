@@ -144,3 +144,29 @@ def test_an_aborted_requests_blocks_are_freed_only_once_its_held_store_ran() -> 
         host_block = worker.engine.host.layer_view(name)[2]
         assert torch.equal(host_block, expected[name].view(-1).view(torch.uint8))
     assert streams.host_waits == []
+
+
+def test_loads_planned_before_the_scheduler_heard_of_a_weight_change_are_refused() -> (
+    None
+):
+    # The weights change between steps; the next step was planned before the
+    # scheduler half heard of it, from host blocks of the weights before: its load
+    # is reported failed and its device block is recomputed, uncopied. A step
+    # planned after the scheduler heard loads again.
+    worker, caches = _worker()
+    _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, [5], [2], "a")]))
+    worker.weights_changed("reload_weights")
+    before = {name: t[1].clone() for name, t in caches.items()}
+    _step(worker, OffloadStepMetadata(loads=[BlockTransfer(2, [1], [2], "b")]))
+    assert all(torch.equal(t[1], before[name]) for name, t in caches.items())
+    assert worker.take_load_errors() == {1}
+    report = worker.take_report()
+    assert report is not None and dict(report.failed) == {2: 1}
+    assert report.weights_changes == 1
+    heard = OffloadStepMetadata(
+        loads=[BlockTransfer(3, [1], [2], "b")], weights_changes_heard=1
+    )
+    _step(worker, heard)
+    assert all(torch.equal(t[1], t[5]) for t in caches.values())
+    report = worker.take_report()
+    assert report is not None and dict(report.finished) == {3: 1}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -84,7 +84,7 @@ class Engine:
         from vllm_cpu_offload.connector import CPUOffloadConnector
 
         self.utils = utils
-        config = utils.create_vllm_config(
+        self.config = config = utils.create_vllm_config(
             model=model,
             block_size=BLOCK_SIZE,
             max_num_batched_tokens=256,
@@ -152,6 +152,8 @@ class Engine:
             self.scheduler.kv_event_publisher = _KeptEvents(self.events)
         self.checked_slots = 0
         self.invalid_blocks = 0
+        # Added to every value the forward writes: other weights, other KV.
+        self.weights = 0.0
         self.failed_loads = 0  # requests whose load vLLM was told failed whole
 
     def _forward(self, num_scheduled: dict[str, int]) -> set[int]:
@@ -171,9 +173,10 @@ class Engine:
                 for pos in range(start, done + count):
                     block = block_ids[pos // BLOCK_SIZE]
                     slot = self.kv[block, :, pos % BLOCK_SIZE]  # every head
+                    value = float(tokens[pos]) + self.weights
                     if pos >= done:
-                        slot.fill_(float(tokens[pos]))
-                    elif bool((slot != tokens[pos]).any()):
+                        slot.fill_(value)
+                    elif bool((slot != value).any()):
                         wrong.add(block)
                     else:
                         self.checked_slots += 1
@@ -654,6 +657,46 @@ def test_a_persistent_host_tier_in_front_of_the_shared_store_survives_a_restart(
         _assert_drained(again)
     finally:
         again.shutdown()
+
+
+def _reload_weights(engine: Engine) -> None:
+    """vLLM's `Worker.reload_weights` on the engine's worker process (the model
+    runner's reload itself left out), as `collective_rpc("reload_weights")` runs it."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    runner = SimpleNamespace(reload_weights=lambda *args, **kwargs: None)
+    worker = SimpleNamespace(vllm_config=engine.config, model_runner=runner)
+    Worker.reload_weights(worker)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("async_load_tokens", [0, BLOCK_SIZE])
+def test_after_a_prefix_cache_reset_and_a_reload_no_kv_of_the_old_weights_is_read(
+    vllm_utils: ModuleType, tiny_model: str, async_load_tokens: int
+) -> None:
+    # A caller resets vLLM's prefix cache alone (no reset_connector), then reloads the
+    # weights: vLLM serves none of the old KV from then on, and neither does the host
+    # tier. The first step after the reload was planned before the scheduler half
+    # heard of it: its host loads (in the step, or across steps) are refused and
+    # recomputed; once it has heard, the host tier holds nothing of before.
+    engine = Engine(vllm_utils, tiny_model, async_load_tokens=async_load_tokens)
+    prompt = 5 * BLOCK_SIZE + 3
+    engine.run(engine.request(1, prompt))
+    _assert_drained(engine)
+    assert len(engine.tier.pool) == 5
+    assert engine.scheduler.reset_prefix_cache()
+    _reload_weights(engine)
+    engine.weights = 1000.0  # what the new weights compute
+    engine.run(engine.request(1, prompt))  # a wrong slot read fails `step`
+    assert engine.tier.stats.failed_loads == 1
+    assert engine.invalid_blocks + engine.failed_loads * 5 >= 5
+    # The recomputed blocks are stored anew, and read back right.
+    assert engine.scheduler.reset_prefix_cache()
+    checked = engine.checked_slots
+    engine.run(engine.request(1, prompt))
+    assert engine.checked_slots - checked >= 5 * BLOCK_SIZE
+    assert engine.tier.stats.failed_loads == 1
+    _assert_drained(engine)
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("sign", ["reset_cache", "reload_weights"])

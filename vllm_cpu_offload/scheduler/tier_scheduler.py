@@ -138,6 +138,10 @@ class HostTierScheduler(LoadPlanning):
         self.hashes_hold: Callable[[Request], bool] = _always
         # Told when the weights may have changed at run time (`identity_changed`).
         self.on_identity_change: list[Callable[[str], None]] = []
+        # The workers' weight changes heard of (`OffloadWorkerReport.weights_changes`):
+        # each step's metadata carries it, and a worker whose weights changed since
+        # refuses the step's loads (planned from KV of the weights before).
+        self._weights_changes_heard = 0
         # Host hits of at least this many tokens load across steps while other requests
         # run; 0: none. (With several groups every hit does: `get_num_new_matched_...`.)
         self.async_load_tokens = async_load_tokens if self._single_full_group else 0
@@ -171,6 +175,7 @@ class HostTierScheduler(LoadPlanning):
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
             async_loads=self._step_async_loads,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
+            weights_changes_heard=self._weights_changes_heard,
         )
         self._step_loads, self._awaiting_stores = [], {}
         self._step_async_loads = []
@@ -261,9 +266,10 @@ class HostTierScheduler(LoadPlanning):
         stores are in this report and the workers were not yet told to hold them.
         """
         if report is not None:
-            if report.weights_changed is not None:
-                # First: this report's stores may hold KV of the changed weights.
-                self.identity_changed(report.weights_changed)
+            if report.weights_changes > self._weights_changes_heard:
+                # First: this report's stores may hold KV of the weights before.
+                self._weights_changes_heard = report.weights_changes
+                self.identity_changed(report.weights_changed or "weights changed")
             for job_id, arrived in report.fetched.items():
                 self._fetch_ended(job_id, arrived, report.fetch_reports[job_id])
             for job_id, count in report.failed.items():
@@ -393,8 +399,6 @@ class HostTierScheduler(LoadPlanning):
             self.retention.retain(keys, tenant, hints.retain_s)
 
     def reset_cache(self) -> bool:
-        self.retention.release_all()
-        self.pool.reset()
         # vLLM resets connectors' caches around weight updates and sleep
         # (`pause_generation(clear_cache=True)`): the weights may change next.
         self.identity_changed(CACHE_RESET)
@@ -402,8 +406,15 @@ class HostTierScheduler(LoadPlanning):
 
     def identity_changed(self, why: str) -> None:
         """What computes this engine's KV may no longer be what its start loaded
-        (`why`): the layers that share or keep blocks beyond this start stop doing
-        so (`on_identity_change`)."""
+        (`why`): the host tier drops every block (those still being stored never
+        become visible), and the layers that share or keep blocks beyond this start
+        stop doing so (`on_identity_change`).
+
+        vLLM's prefix cache may still hold KV of the weights before (a reload
+        without a reset); the host tier holds none, so a caller that reset vLLM's
+        prefix cache alone, then changed the weights, is served none."""
+        self.retention.release_all()
+        self.pool.reset()
         for listener in self.on_identity_change:
             listener(why)
 

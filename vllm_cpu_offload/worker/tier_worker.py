@@ -107,6 +107,13 @@ class HostTierWorker:
         # A test's injector of transfer faults (`TransferFaults`); None in service.
         self.faults: TransferFaults | None = None
         self._idle_step = False
+        # Weight changes on this worker since its start, and how many of them the
+        # scheduler had heard of when it planned the current step: until it has heard
+        # of all, the loads it plans read KV of the weights before, and are refused
+        # (vLLM recomputes them). Async loads in flight at a change are refused too.
+        self._weights_changes = 0
+        self._changes_heard = 0
+        self._refused_loads: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         host = HostBuffer.for_kv_caches(
@@ -146,6 +153,7 @@ class HostTierWorker:
             self.engine.begin_step()
         self._awaiting_free.update(metadata.delayed_free_req_ids)
         self._idle_step = metadata.idle
+        self._changes_heard = metadata.weights_changes_heard
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
@@ -166,6 +174,8 @@ class HostTierWorker:
         the hit once they are in host memory. A hit in host memory alone loads now."""
         load = async_load.load
         self._async_req[load.job_id] = load.req_id
+        if self._planned_before_a_change:
+            self._refused_loads.add(load.job_id)
         if async_load.whole:
             self._whole_loads.add(load.job_id)
         self._apply(self.shared.fetch(async_load))
@@ -177,6 +187,9 @@ class HostTierWorker:
             return
         for t in metadata.loads:
             self._load_device_blocks[t.job_id] = t.device_block_ids
+        if self._planned_before_a_change:
+            self._collect(FinishedJobs(failed={t.job_id for t in metadata.loads}))
+            return
         loads = self._without_injected_faults(metadata.loads)
         start = time.perf_counter()
         self._engine().start_loads(loads)
@@ -254,6 +267,10 @@ class HostTierWorker:
         if len(load.device_block_ids) == 0:
             self._collect(FinishedJobs(loads={job_id}))
             return
+        if job_id in self._refused_loads:
+            self._refused_loads.discard(job_id)
+            self._collect(FinishedJobs(failed={job_id}))
+            return
         loads = self._without_injected_faults([load])
         start = time.perf_counter()
         # No step waits for it: vLLM schedules the request once it is reported.
@@ -291,6 +308,7 @@ class HostTierWorker:
 
     def _job_done(self, job_id: int, *, stored: bool) -> None:
         self._whole_loads.discard(job_id)
+        self._refused_loads.discard(job_id)
         unloaded = self._async_unloaded.pop(job_id, None)
         if unloaded is not None:
             # An async load: vLLM recomputes what it did not fill, and may schedule
@@ -315,10 +333,20 @@ class HostTierWorker:
 
     def weights_changed(self, why: str) -> None:
         """The model's weights are about to change (`why`): nothing computed from now
-        on reaches the shared store, and the next report tells the scheduler half,
-        which stops sharing and keeping the tier's files (`runtime_weights.py`)."""
+        on reaches the shared store, no load planned before the scheduler half hears
+        of it runs, and the next report tells that half, which drops the host tier's
+        blocks and stops sharing and keeping the tier's files (`runtime_weights.py`)."""
         self.shared.seal()
+        self._weights_changes += 1
+        self._refused_loads.update(self._async_req)
         self._report.weights_changed = self._report.weights_changed or why
+        self._report.weights_changes = self._weights_changes
+
+    @property
+    def _planned_before_a_change(self) -> bool:
+        """Whether the current step's plan predates a change of this worker's
+        weights (its loads read KV of the weights before)."""
+        return self._changes_heard < self._weights_changes
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
