@@ -245,23 +245,35 @@ def test_reset_drops_only_ready_unpinned_blocks() -> None:
 
 def test_blocks_held_through_a_reset_are_never_hits_again() -> None:
     # vLLM resets before it changes the weights: a block pinned by a load or still
-    # being stored at the reset holds KV of the old weights; once unpinned or stored
-    # it stays held (so it is not stored again) but no lookup sees it, until evicted.
+    # being stored at the reset holds KV of the old weights. No lookup sees it, it is
+    # neither told of nor kept when its store ends, it goes first once its loads and
+    # stores end, and a store of its key frees it (the KV of the weights now).
     pool = make_pool(4)
     store(pool, ["a", "b"])
     pool.pin(["a"])
     pool.allocate_for_store(["c"], "b")
+    pool.take_events()
     assert pool.reset() == 1  # "b"
+    assert pool.allocate_for_store(["a", "d"], None) == [("d", 1)]  # "a" is pinned
     pool.unpin(["a"])
     pool.complete_store(["c"], True)
     assert pool.count_hits(["a"]) == 0 and pool.count_hits(["c"]) == 0
     assert pool.state_of("a") is pool.state_of("c") is BlockState.STORING
-    assert pool.allocate_for_store(["a", "d"], None) == [("d", 1)]
+    assert [(e.kind, e.keys) for e in pool.take_events()] == [("evicted", ("b",))]
     pool.check_invariants()
-    store(pool, ["e", "f", "g"])  # one free block; "a" and "c" go before "d"
-    assert "a" not in pool and "c" not in pool and "d" in pool
-    store(pool, ["a"])  # stored anew: a hit again
-    assert pool.count_hits(["a"]) == 1
+    store(pool, ["e"])  # the one free block
+    store(pool, ["f"])  # "a" goes first, before the policy's victims
+    assert "a" not in pool and "c" in pool and "d" in pool
+    assert pool.allocate_for_store(["c"], None) == [("c", 2)]  # stored anew
+    pool.complete_store(["c"], True)
+    assert pool.count_hits(["c"]) == 1
+    assert [(e.kind, e.keys) for e in pool.take_events()] == [
+        ("stored", ("e",)),
+        ("evicted", ("a",)),
+        ("stored", ("f",)),
+        ("evicted", ("c",)),
+        ("stored", ("c",)),
+    ]
     pool.check_invariants()
 
 

@@ -40,7 +40,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = HostBlockPool(self.num_blocks, policy)
         self.state: dict[BlockKey, BlockState] = {}  # the model: key -> state
         # Keys held through a reset: never visible to lookups again (STORING to
-        # `state_of`), whatever their state.
+        # `state_of`), whatever their state; a store of their key frees them once no
+        # load or store uses them.
         self.stale: set[BlockKey] = set()
         self.pins: dict[BlockKey, int] = {}  # key -> loads in flight
         self.block_ids: dict[BlockKey, int] = {}
@@ -79,12 +80,26 @@ class PoolMachine(RuleBasedStateMachine):
                         f"evicted {key} not READY"
                     )
                     assert self.pins.get(key, 0) == 0, f"evicted pinned {key}"
-                    del self.state[key]
-                    del self.block_ids[key]
-                    self.stale.discard(key)
+                    self._forget(key)
                 else:
                     assert self.state.get(key) is BlockState.STORING
                     self.state[key] = BlockState.READY
+
+    def _forget(self, key: BlockKey) -> None:
+        del self.state[key]
+        del self.block_ids[key]
+        self.stale.discard(key)
+
+    def _completed(self, keys: list[int], success: bool) -> None:
+        """The model after `complete_store(keys, success)`: a failed store frees its
+        blocks; a store begun before a reset makes them READY, invisible, untold; the
+        others are READY (its event)."""
+        for key in keys:
+            if not success:
+                self._forget(key)
+            elif key in self.stale:
+                self.state[key] = BlockState.READY
+        self._apply_events()
 
     def _keys_in(self, state: BlockState) -> list[int]:
         return sorted(
@@ -97,7 +112,17 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate(self, chain: list[int], parent: int | None) -> None:
         if parent in chain:
             parent = None
-        held_before = {k for k in chain if k in self.state}
+        # Blocks held through a reset that nothing uses are freed and stored anew.
+        held_before = {
+            k
+            for k in chain
+            if k in self.state
+            and not (
+                k in self.stale
+                and self.state[k] is BlockState.READY
+                and k not in self.pins
+            )
+        }
         allocated = self.pool.allocate_for_store(chain, parent)
         self._apply_events()
         got = [k for k, _ in allocated]
@@ -114,12 +139,7 @@ class PoolMachine(RuleBasedStateMachine):
         storing = self._keys_in(BlockState.STORING)
         keys = data.draw(st.lists(st.sampled_from(storing), min_size=1, unique=True))
         self.pool.complete_store(keys, success)
-        if not success:
-            for key in keys:
-                del self.state[key]
-                del self.block_ids[key]
-                self.stale.discard(key)
-        self._apply_events()
+        self._completed(keys, success)
 
     @rule(keys=CHAINS)
     def lookup(self, keys: list[int]) -> None:
@@ -171,7 +191,7 @@ class PoolMachine(RuleBasedStateMachine):
         mine = [k for k in keys if k not in self.pins]
         if mine:
             self.pool.complete_store(mine, True)
-            self._apply_events()
+            self._completed(mine, True)
 
     # ----- invariants -----
 

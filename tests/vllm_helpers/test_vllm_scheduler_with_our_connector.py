@@ -691,8 +691,9 @@ def test_after_a_prefix_cache_reset_and_a_reload_no_kv_of_the_old_weights_is_rea
     assert engine.invalid_blocks + engine.failed_loads * 5 >= 5
     # The recomputed blocks are stored anew, and read back right.
     assert engine.scheduler.reset_prefix_cache()
-    checked = engine.checked_slots
+    checked, loaded = engine.checked_slots, engine.tier.stats.loaded_blocks
     engine.run(engine.request(1, prompt))
+    assert engine.tier.stats.loaded_blocks - loaded == 5
     assert engine.checked_slots - checked >= 5 * BLOCK_SIZE
     assert engine.tier.stats.failed_loads == 1
     _assert_drained(engine)

@@ -220,11 +220,13 @@ class HostBlockPool:
         hold.
 
         `keys` are consecutive blocks of one chain and `parent` is the key just before
-        `keys[0]` (None at the chain root). Held keys (any state) are skipped. Room is
-        made by evicting through the policy; the chain's own held blocks (and `parent`)
-        are shielded while that happens, so a store never evicts the blocks it extends.
-        When no room can be made (everything pinned, storing or shielded) or the policy
-        declines a key, allocation stops there and returns what it got: never an error.
+        `keys[0]` (None at the chain root). Held keys (any state) are skipped, but for
+        blocks held through a `reset` that no load or store uses any more: those are
+        freed and stored anew. Room is made by evicting through the policy; the
+        chain's own held blocks (and `parent`) are shielded while that happens, so a
+        store never evicts the blocks it extends. When no room can be made
+        (everything pinned, storing or shielded) or the policy declines a key,
+        allocation stops there and returns what it got: never an error.
 
         Returns:
             The (key, host block id) pairs allocated, in chain order. O(1) per key.
@@ -238,6 +240,8 @@ class HostBlockPool:
         add = allocated.append
         inserted: list[HostBlock] = []  # reported to the policy in one batch
         evicted: list[BlockKey] = []
+        if self._stale:
+            self._free_stale(keys, evicted)
         shielded: list[HostBlock] | None = None
         for key in keys:
             block = get(key)
@@ -305,17 +309,24 @@ class HostBlockPool:
         checked = cast("list[HostBlock]", done)  # no None: checked above
         if success:
             self.policy.on_ready(checked)
+            visible = checked
             if self._stale:
+                # Stores begun before a `reset`: held (a write-through may still
+                # read them), never visible, evicted first; neither kept nor told.
                 for block in checked:
                     self._doom_if_stale(block)
-            if self._persistence is not None:
+                visible = [b for b in checked if b.block_id not in self._stale]
+                if len(visible) < len(checked):
+                    keys = [cast("BlockKey", b.key) for b in reversed(visible)]
+                    detail = None  # it tells of the stale blocks too
+            if self._persistence is not None and visible:
                 self._persistence.record(
                     [
                         (b.block_id, b.key, None if b.parent is None else b.parent.key)
-                        for b in reversed(checked)
+                        for b in reversed(visible)
                     ]
                 )
-            if self._record_events:
+            if self._record_events and visible:
                 self._events.append(PoolEvent("stored", tuple(keys), detail))
         else:
             for block in checked:
@@ -363,8 +374,9 @@ class HostBlockPool:
 
         Returns:
             How many blocks were dropped. Pinned and STORING blocks stay, never
-            visible to lookups again: what they hold was computed before the reset,
-            and vLLM resets before it changes the weights.
+            visible to lookups again (what they hold was computed before the reset,
+            and vLLM resets before it changes the weights); once their loads and
+            stores end they go first, and a store of their key frees them.
 
         """
         self._stale.update(
@@ -452,6 +464,17 @@ class HostBlockPool:
         if block.block_id in self._stale and block.evictable:
             assert block.key is not None
             self._doomed[block.block_id] = block.key
+
+    def _free_stale(self, keys: Sequence[BlockKey], evicted: list[BlockKey]) -> None:
+        """Frees the evictable blocks held through a reset under `keys`: what
+        computes KV now may store them anew."""
+        get, stale = self._by_key.get, self._stale
+        for key in keys:
+            block = get(key)
+            if block is not None and block.block_id in stale and block.evictable:
+                self.policy.on_remove(block)
+                self._release(block)
+                evicted.append(key)
 
     def _room_for(
         self, key: BlockKey, keys: Sequence[BlockKey], evicted: list[BlockKey]

@@ -212,7 +212,13 @@ class HostTierScheduler(LoadPlanning):
         limit = state.hints.max_offload_tokens
         if limit is not None:  # the client's cap: the first `limit` tokens at most
             full_hbs = min(full_hbs, limit // self.block_size // k)
-        first_hb = state.planned_upto // k  # planned_upto is a host block boundary
+        # vLLM rewinds a request whose load failed, and recomputes from there: those
+        # blocks are stored anew (the tier may have dropped them). A host block
+        # boundary, as planned_upto is.
+        redone = request.num_computed_tokens // self.block_size // k * k
+        if redone < state.planned_upto:
+            state.planned_upto = redone
+        first_hb = state.planned_upto // k
         if full_hbs <= first_hb or not self.hashes_hold(request):
             return None
         state.planned_upto = full_hbs * k
