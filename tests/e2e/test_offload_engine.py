@@ -132,32 +132,6 @@ def test_reset_prefix_cache_empties_the_host_tier(llm: Any) -> None:
     assert sched.stats.hit_tokens == hits
 
 
-def test_a_reload_after_a_prefix_cache_reset_reads_no_host_block_of_before(
-    llm: Any, baseline_tokens: dict[str, list[int]]
-) -> None:
-    # A caller resets vLLM's prefix cache alone (no reset_connector), then reloads
-    # the weights through vLLM's worker (collective_rpc). vLLM serves nothing of
-    # before; nor does the host tier: the step planned before its scheduler half
-    # heard of the reload has its host load refused and recomputed, and the tier
-    # drops what it held. The same files are reloaded here, so the tokens agree.
-    sched = scheduler_connector(llm).scheduler
-    prompt = _prompts(2, 1, blocks=3)[0]
-    _run(llm, [prompt])
-    assert sched.pool.num_used > 0
-    assert llm.reset_prefix_cache()
-    failed, stored = sched.stats.failed_loads, sched.stats.stored_blocks
-    llm.collective_rpc("reload_weights")
-    assert _tokens(_run(llm, [prompt])) == [baseline_tokens[prompt]]
-    assert sched.stats.failed_loads == failed + 1
-    assert sched.stats.stored_blocks - stored == 3  # recomputed, stored anew
-    # What the weights now compute is read back.
-    loaded = sched.stats.loaded_blocks
-    assert llm.reset_prefix_cache()
-    assert _tokens(_run(llm, [prompt])) == [baseline_tokens[prompt]]
-    assert sched.stats.loaded_blocks - loaded == 3
-    assert sched.stats.failed_loads == failed + 1
-
-
 # Conversations, preemption and aborts: requests run together.
 
 
