@@ -107,7 +107,8 @@ def run(arm: str, blocks: int) -> dict[str, Any]:
         llm.collective_rpc("reload_weights")
         after, cached = greedy_tokens(llm, prompt)
         shut(llm)
-    differs = [i for i, (a, b) in enumerate(zip(after, reference)) if a != b]
+    pairs = enumerate(zip(after, reference, strict=True))
+    differs = [i for i, (a, b) in pairs if a != b]
     return {
         "arm": arm,
         "prompt_tokens": blocks * BLOCK_SIZE + 5,
