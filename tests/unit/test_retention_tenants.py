@@ -289,3 +289,24 @@ def test_no_tenant_within_its_share_loses_a_block_to_another_tenants_retain(
             assert retention.holding(tenant) <= share
         retention.check_invariants()
     pool.check_invariants()
+
+
+def test_a_retained_block_whose_store_began_before_a_reset_ends_its_retain() -> None:
+    # A block still being stored when the pool is reset (the weights may change)
+    # never becomes visible. A request that finishes after the reset retains it
+    # while its store runs; when the store ends, the retain ends too, and no
+    # invisible block is pinned.
+    pool = HostBlockPool(8, make_policy("lru", 8))
+    retention, _ = _retention(pool, 4)
+    storing: list[BlockKey] = [(0, "s/0")]
+    assert len(pool.allocate_for_store(storing, None)) == 1
+    retention.release_all()
+    pool.reset()
+    retention.retain(storing, "t", 60)
+    assert retention.holding("t") == 1
+    pool.complete_store(storing, True)
+    retention.stored(storing, True)
+    assert pool.state_of(storing[0]) is BlockState.STORING  # held, invisible
+    assert pool._by_key[storing[0]].pin_count == 0
+    assert retention.holding("t") == 0
+    retention.check_invariants()

@@ -157,15 +157,17 @@ class Retention(NoRetention):
         self.stats.retained_blocks = len(self._holders)
 
     def stored(self, keys: Sequence[BlockKey], success: bool) -> None:
-        """A store of `keys` ended: retained ones are pinned now; a failed one ends
-        the retains that hold it (a hit would stop there)."""
+        """A store of `keys` ended: retained ones are pinned now; a failed one, or
+        one begun before the pool's reset (never visible), ends the retains that hold
+        it (a hit would stop there)."""
         if not self._holders:
             return
+        state_of = self.pool.state_of
         for key in keys:
             holders = self._holders.get(key)
             if holders is None or key in self._pinned:
                 continue
-            if success:
+            if success and state_of(key) is BlockState.READY:
                 self.pool.pin([key])
                 self._pinned.add(key)
             else:
