@@ -84,15 +84,9 @@ def shut(llm: Any) -> None:
 
 
 def run(arm: str, blocks: int) -> dict[str, Any]:
-    from vllm_cpu_offload.testing.tiny_model import (
-        TEST_SHAPE,
-        TinyLlamaShape,
-        ensure_tiny_llama,
-        random_words,
-    )
+    from vllm_cpu_offload.testing.tiny_model import ensure_other_weights, random_words
 
-    old = ensure_tiny_llama()
-    new = ensure_tiny_llama(TinyLlamaShape(seed=TEST_SHAPE.seed + 1))
+    old, new = ensure_other_weights()
     prompt = random_words(random.Random(7), blocks * BLOCK_SIZE + 5)
     reference_llm = make_llm(new, "none")
     reference, _ = greedy_tokens(reference_llm, prompt)

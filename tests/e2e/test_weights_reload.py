@@ -41,15 +41,9 @@ def _tokens(llm: Any, prompt: str) -> list[int]:
 def test_a_reload_after_a_prefix_cache_reset_answers_as_the_new_weights(
     tmp_path: Path,
 ) -> None:
-    from vllm_cpu_offload.testing.tiny_model import (
-        TEST_SHAPE,
-        TinyLlamaShape,
-        ensure_tiny_llama,
-        random_words,
-    )
+    from vllm_cpu_offload.testing.tiny_model import ensure_other_weights, random_words
 
-    old = ensure_tiny_llama()
-    new = ensure_tiny_llama(TinyLlamaShape(seed=TEST_SHAPE.seed + 1))
+    old, new = ensure_other_weights()
     model = tmp_path / "model"
     shutil.copytree(old, model)
     prompt = random_words(random.Random(7), 4 * BLOCK_SIZE + 5)

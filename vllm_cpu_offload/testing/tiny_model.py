@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from vllm_cpu_offload.file_digest import cache_root
@@ -96,6 +96,14 @@ def ensure_tiny_llama(
         _write_weights(folder, shape)
 
     return ensure_generated(shape.name, _stamp(shape), write, root)
+
+
+def ensure_other_weights(shape: TinyLlamaShape = TEST_SHAPE) -> tuple[Path, Path]:
+    """The folders of the model of `shape` and of one laid out alike with other
+    weights (the next seed): what a weight update or reload puts in its place."""
+    return ensure_tiny_llama(shape), ensure_tiny_llama(
+        replace(shape, seed=shape.seed + 1)
+    )
 
 
 def ensure_generated(
