@@ -12,11 +12,11 @@ on the reread.
 Arms: `none` (no tier), `vllm` (vLLM's own `OffloadingConnector`, `kv_offloading_size`),
 `plugin` (`--enable-cpu-offload`). For `vllm` on the CPU platform, run with the patched
 vLLM 0.33.0 overlay first on PYTHONPATH (scripts/patched_vllm033.sh) and
-VLLM_TARGET_DEVICE=cpu:
+VLLM_TARGET_DEVICE=cpu (and a device KV cache of 1 GiB):
 
     OVERLAY="$(bash scripts/patched_vllm033.sh upstream .cache/patched-vllm033)"
     for arm in none vllm plugin; do
-      PYTHONPATH="$OVERLAY:$PWD" VLLM_TARGET_DEVICE=cpu \\
+      VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH="$OVERLAY:$PWD" VLLM_TARGET_DEVICE=cpu \\
         .venv-vllm033/bin/python -m benchmarks.weights_reload --arm $arm
     done
 """
