@@ -11,7 +11,8 @@ Invariants (checked by `check_invariants`, and by asserts on the hot path):
 - A STORING block is never visible to lookups and never evicted.
 - A block `reset` could not drop (pinned or STORING) is never visible to lookups again:
   it holds KV of before the reset (vLLM resets before changing the weights), so it
-  stays held, unread, until freed: evicted before any other once it is evictable.
+  stays held, unread, until freed: once evictable, evicted before any other, or freed
+  by a store of its key.
 - Blocks in use <= `num_blocks`; every host block id is either free or held by one key.
 - A key maps to at most one host block; freed ids are reused.
 

@@ -164,7 +164,7 @@ class HostTierWorker:
             self._step_stores = []
             self._collect(FinishedJobs(stores={t.job_id for t in metadata.stores}))
         else:
-            self._step_stores = self._without_injected_faults(metadata.stores)
+            self._step_stores = self._to_run(metadata.stores)
         for async_load in metadata.async_loads:
             self._start_async_load(async_load)
         self.shared.place_threads(idle=metadata.idle)
@@ -187,24 +187,23 @@ class HostTierWorker:
             return
         for t in metadata.loads:
             self._load_device_blocks[t.job_id] = t.device_block_ids
-        if self._planned_before_a_change:
-            self._collect(FinishedJobs(failed={t.job_id for t in metadata.loads}))
-            return
-        loads = self._without_injected_faults(metadata.loads)
+        loads = self._to_run(metadata.loads, refused=self._planned_before_a_change)
         start = time.perf_counter()
         self._engine().start_loads(loads)
         self._load_seconds += time.perf_counter() - start
 
-    def _without_injected_faults(
-        self, transfers: list[BlockTransfer]
+    def _to_run(
+        self, transfers: list[BlockTransfer], *, refused: bool = False
     ) -> list[BlockTransfer]:
-        """The transfers to run; a test's injector fails the others, uncopied."""
-        if self.faults is None:
+        """The transfers to run; the others are reported failed, uncopied (vLLM
+        recomputes their blocks): every one when `refused` (loads planned from KV of
+        weights this worker no longer has), else those a test's injector fails."""
+        if self.faults is None and not refused:
             return transfers
         kept: list[BlockTransfer] = []
         failed: set[int] = set()
         for t in transfers:
-            if self.faults.fails():
+            if refused or (self.faults is not None and self.faults.fails()):
                 failed.add(t.job_id)
             else:
                 kept.append(t)
@@ -267,11 +266,7 @@ class HostTierWorker:
         if len(load.device_block_ids) == 0:
             self._collect(FinishedJobs(loads={job_id}))
             return
-        if job_id in self._refused_loads:
-            self._refused_loads.discard(job_id)
-            self._collect(FinishedJobs(failed={job_id}))
-            return
-        loads = self._without_injected_faults([load])
+        loads = self._to_run([load], refused=job_id in self._refused_loads)
         start = time.perf_counter()
         # No step waits for it: vLLM schedules the request once it is reported.
         self._engine().start_background_loads(loads)
