@@ -14,9 +14,12 @@ What an entry is trusted for, and why:
   in place to the same size, even with its mtime put back, is read again; a file
   replaced by another has another inode. No digest is kept of a file whose stat
   changed while it was read, or whose mtime is under 2 s old (still being written).
-- the file system: on a FUSE mount (an object store's: s3fs, gcsfuse, rclone) a
-  user-space server makes `stat` up, ctime and inode numbers included
-  (`fuse_mounts.py`): nothing is kept across starts, each process reads the file once.
+- the file system: only where its stat is known to change with the content, on a
+  local kernel file system (`stat_trust.py`). Elsewhere a server or an image makes
+  `stat` up (FUSE, overlayfs over any layer, CIFS/SMB, 9p, NFS, squashfs, erofs), and
+  where the file system cannot be told it counts as such: nothing is kept across
+  starts, each process reads the file once (which also fills the page cache for the
+  loader that follows).
 - the folder: entries are taken only from a folder of this user that no other user may
   write, made 0700, and only entries of this user that no one else may write; every
   file is opened without following links, and written through a new temporary file
@@ -60,13 +63,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vllm_cpu_offload.fuse_mounts import fuse_devices, on_fuse
 from vllm_cpu_offload.safe_cache_dir import (
     lock_private,
     open_private_dir,
     read_private,
     replace_private,
 )
+from vllm_cpu_offload.stat_trust import stat_follows_content
 
 # Smaller files (configs, tokenizers) are hashed at every start: a millisecond at most,
 # less than a kept entry's lookup would save.
@@ -126,26 +129,25 @@ def forget_in_process() -> None:
 
 def file_digests(paths: Sequence[Path]) -> list[str]:
     """`file_digest` of each path, the files read on all cores at once."""
-    fuse = fuse_devices()
     workers = min(len(paths), len(os.sched_getaffinity(0)))
     if workers <= 1:
-        return [_digest(p, fuse) for p in paths]
+        return [_digest(p) for p in paths]
     with ThreadPoolExecutor(workers, thread_name_prefix="file-digest") as pool:
-        return list(pool.map(_digest, paths, [fuse] * len(paths)))
+        return list(pool.map(_digest, paths))
 
 
 def file_digest(path: Path) -> str:
     """The SHA-256 (hex) of `path`'s content, read only where no process has kept the
     digest of this version of the file; OSError where it cannot be read."""
-    return _digest(path, fuse_devices())
+    return _digest(path)
 
 
-def _digest(path: Path, fuse: frozenset[int] | None) -> str:
+def _digest(path: Path) -> str:
     version = FileVersion.of(path)
     known = _in_process.get(version)
     if known is not None:
         return known
-    if version.size < CACHED_MIN_BYTES or on_fuse(version.device, fuse):
+    if version.size < CACHED_MIN_BYTES or not stat_follows_content(path):
         digest, kept = _read_and_hash(path, version)
     else:
         digest, kept = _cached_digest(path, version)

@@ -1,7 +1,8 @@
 """The digest cache takes nobody's word but this user's: entries only from a folder of
 this user that no one else may write, only entries no one else may write, no write
-through a link planted in it; and nothing across starts for a file on a FUSE mount,
-whose stat its server makes up. Each case gets the file's real digest.
+through a link planted in it; and nothing across starts for a file on a file system
+whose stat a server or an image makes up, or that cannot be told. Each case gets the
+file's real digest.
 
 The tests run as root; "another user" is uid 65534, given a folder or file by chown."""
 
@@ -12,6 +13,7 @@ import hashlib
 import json
 import os
 import stat
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from vllm_cpu_offload import file_digest, fuse_mounts, safe_cache_dir
+from vllm_cpu_offload import file_digest, safe_cache_dir, stat_trust
 
 LONG_AGO = 1_000_000_000  # an mtime well past the settling time, in seconds
 OTHER_UID = 65534
@@ -161,49 +163,117 @@ def test_no_file_is_written_through_a_link_planted_in_the_cache(
         assert not victim.exists()
 
 
-def fake_fuse_mountinfo(tmp_path: Path, f: Path, fs_type: str) -> Path:
-    """This process's mountinfo with `f`'s file system shown as `fs_type`."""
-    dev = f.stat().st_dev
-    text = Path(fuse_mounts.MOUNTINFO).read_text()
-    text += f"999 1 {os.major(dev)}:{os.minor(dev)} / /mnt rw - {fs_type} x rw\n"
-    fake = tmp_path / "mountinfo"
-    fake.write_text(text)
-    return fake
+# statfs(2) f_type of file systems whose stat a server or an image makes up, and
+# of one nobody knows (linux/magic.h).
+MADE_UP_STAT = {
+    "fuse": 0x65735546,
+    "overlayfs": 0x794C7630,
+    "cifs": 0xFF534D42,
+    "smb2": 0xFE534D42,
+    "9p": 0x01021997,
+    "nfs": 0x6969,
+    "squashfs": 0x73717368,
+    "erofs": 0xE0F5E1E2,
+    "unknown": 0x12345678,
+}
 
 
-@pytest.mark.parametrize("fs_type", ["fuse.s3fs", "fuse", "fuseblk"])
-def test_on_a_fuse_mount_nothing_is_kept_across_starts(
+def assert_nothing_kept_across_starts(
+    f: Path, digests: Path, hashed: list[Path]
+) -> None:
+    assert file_digest.file_digest(f) == real_digest(f)
+    assert file_digest.file_digest(f) == real_digest(f)
+    assert hashed == [f]  # once per process
+    file_digest.forget_in_process()
+    assert file_digest.file_digest(f) == real_digest(f)
+    assert hashed == [f, f]
+    assert not digests.exists() or not any(digests.iterdir())
+
+
+@pytest.mark.parametrize("fs_type", [*MADE_UP_STAT, "cannot-tell"])
+def test_where_stat_proves_nothing_nothing_is_kept_across_starts(
     weights: Path,
     digests: Path,
-    tmp_path: Path,
     hashed: list[Path],
     monkeypatch: pytest.MonkeyPatch,
     fs_type: str,
 ) -> None:
     # An object store mount: its server may report the same ctime and inode for an
-    # object replaced by one of the same size and modification time.
-    fake = fake_fuse_mountinfo(tmp_path, weights, fs_type)
-    monkeypatch.setattr(fuse_mounts, "MOUNTINFO", str(fake))
+    # object replaced by one of the same size and modification time. Or a file
+    # system the process cannot tell: the same.
+    magic = MADE_UP_STAT.get(fs_type)
+    monkeypatch.setattr(stat_trust, "fs_magic", lambda path: magic)
+    assert_nothing_kept_across_starts(weights, digests, hashed)
+
+
+@pytest.fixture
+def overlay(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """An overlayfs whose lower layer lies on another file system (a tmpfs) than
+    its upper one (the test's folder), as a container's root over lazily pulled
+    layers: (the overlay's folder, the lower layer's)."""
+    layer_fs, merged = tmp_path / "layer-fs", tmp_path / "merged"
+    for d in ("layer-fs", "upper", "work", "merged"):
+        (tmp_path / d).mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(layer_fs)]).returncode:
+        pytest.skip("cannot mount here")
+    lower = layer_fs / "lower"
+    lower.mkdir()
+    upper, work = tmp_path / "upper", tmp_path / "work"
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    try:
+        if subprocess.run(
+            ["mount", "-t", "overlay", "overlay", "-o", options, str(merged)]
+        ).returncode:
+            pytest.skip("cannot mount an overlayfs here")
+        try:
+            yield merged, lower
+        finally:
+            subprocess.run(["umount", str(merged)], check=True)
+    finally:
+        subprocess.run(["umount", str(layer_fs)], check=True)
+
+
+def mountinfo_devices() -> set[int]:
+    devices = set()
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        major, _, minor = line.split()[2].partition(":")
+        devices.add(os.makedev(int(major), int(minor)))
+    return devices
+
+
+def test_a_file_of_an_overlays_lower_layer_is_not_trusted(
+    overlay: tuple[Path, Path],
+    digests: Path,
+    hashed: list[Path],
+) -> None:
+    # The lower layer a snapshotter serves over FUSE: through the overlay the file
+    # shows a device made up per layer, which no mountinfo line lists, and the
+    # layer's own stat. Nothing of it is kept across starts.
+    merged, lower = overlay
+    content = bytes(range(256)) * (file_digest.CACHED_MIN_BYTES // 256 + 1)
+    (lower / "model.safetensors").write_bytes(content)
+    f = merged / "model.safetensors"
+    os.utime(f, (LONG_AGO, LONG_AGO))
+    assert f.stat().st_dev not in mountinfo_devices()
+    assert stat_trust.fs_magic(f) == MADE_UP_STAT["overlayfs"]
+    assert_nothing_kept_across_starts(f, digests, hashed)
+
+
+def test_local_kernel_file_systems_are_trusted(
+    weights: Path, digests: Path, hashed: list[Path]
+) -> None:
+    # The test's folder (ext4 or another local one here) and a tmpfs: a later start
+    # stats the file and reads its kept digest.
+    assert stat_trust.stat_follows_content(weights), hex(
+        stat_trust.fs_magic(weights) or 0
+    )
+    assert stat_trust.stat_follows_content(Path("/dev/shm"))
+    assert not stat_trust.stat_follows_content(Path("/proc/self/status"))
+    assert not stat_trust.stat_follows_content(weights.parent / "missing")
     assert file_digest.file_digest(weights) == real_digest(weights)
-    assert file_digest.file_digest(weights) == real_digest(weights)
-    assert hashed == [weights]  # once per process
     file_digest.forget_in_process()
     assert file_digest.file_digest(weights) == real_digest(weights)
-    assert hashed == [weights, weights]
-    assert not digests.exists() or not any(digests.iterdir())
-
-
-def test_a_kernel_file_system_is_not_taken_for_fuse(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    device = tmp_path.stat().st_dev
-    assert not fuse_mounts.on_fuse(device, fuse_mounts.fuse_devices())
-    fake = fake_fuse_mountinfo(tmp_path, tmp_path, "fuse.gcsfuse")
-    monkeypatch.setattr(fuse_mounts, "MOUNTINFO", str(fake))
-    assert fuse_mounts.on_fuse(device, fuse_mounts.fuse_devices())
-    monkeypatch.setattr(fuse_mounts, "MOUNTINFO", str(tmp_path / "missing"))
-    # Cannot tell: taken for FUSE.
-    assert fuse_mounts.on_fuse(device, fuse_mounts.fuse_devices())
+    assert hashed == [weights]
 
 
 def test_a_fifo_is_refused_not_waited_for(tmp_path: Path) -> None:
