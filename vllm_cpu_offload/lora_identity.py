@@ -15,29 +15,36 @@ with one that appends the adapter's content identity to vLLM's tuple:
 
 What the workers run is what they last loaded from the path: at the adapter's first
 use, again after vLLM's worker evicted it (`--max-cpu-loras`), and at every request or
-`add_lora` that asks for `load_inplace`. Only while the files stay those first seen in
-this process is that provably their content. So the files are checked (a `stat` per
-file: `file_digest.py` keeps each version's digest) when a request is first hashed,
-when it looks up the tier and when its blocks are stored:
-- a request is hashed with the adapter's identity as it stands at its first block,
-  and keeps it for all its blocks;
-- once the files differ from those first seen (rewritten in place, with or without a
-  reload), no one can tell which version a worker holds: the adapter's identity
-  becomes this process's alone (`changed:` and a token of this start) for every
-  request hashed from then on, with one warning;
-- a request hashed under an identity that no longer holds (`hashes_hold`) neither
-  loads nor stores, in any tier: queued before an in-place reload, it runs on the new
-  files with the old files' hashes.
+`add_lora` that asks for `load_inplace` (`lora/worker_manager.py:296-298`). Only while
+the files stay those first seen in this process is that provably their content. So the
+files are checked (a `stat` per file: `file_digest.py` keeps each version's digest)
+when a request is first hashed, when it looks up the tier and when its blocks are
+stored, and the adapter's identity is a function of the version of its files this
+process has seen, counted from 0 at the first look:
+- version 0 is named by the files' digest (`files:`), the same in every process that
+  first finds the same files;
+- each look that finds other files than the last look found starts a new version,
+  whatever it holds (the first files back included): after a change no one can tell
+  which version a worker holds, so version n > 0 is `changed:`, a token of this start
+  and n, this process's alone, and no two versions share a key;
+- a request is hashed with the identity of the version at its first block, and keeps
+  it for all its blocks;
+- a request hashed under a version that is no longer the current one (`hashes_hold`)
+  neither loads nor stores, in any tier: queued before an in-place reload, it runs on
+  the new files with the old files' hashes.
 Loading new files under a new adapter id, name or path shares them again.
-A file rewritten and the adapter reloaded from it within one engine step, then
-rewritten back before the next check, is not seen.
+A version's first blocks may still be computed by workers that hold the version
+before it, until a request or `add_lora` reloads the files (vLLM's own prefix cache,
+keyed by the same hashes, serves them alike). Files rewritten and the adapter reloaded
+from them within one engine step, then rewritten back before the next check, are not
+seen.
 
 Cost: the first block of the first request naming an adapter in this process reads the
 adapter's files, on the engine core's thread (SHA-256 at about 1.8 GiB/s: 55 ms per
 100 MB on the machine `file_digest.py` was measured on), or stats them where a previous
 start kept their digests. Each later request pays a `stat` per adapter file at its first
 block (every later block is an attribute read), at each lookup, and at each step that
-stores a new block of it.
+stores a new block of it; a look that finds a file changed reads that file again.
 
 KV events carry the block hashes made with it (their extra keys stay vLLM's bare LoRA
 name). An external router that computes block hashes for LoRA requests itself, from
@@ -78,7 +85,9 @@ class _Adapter:
     """What this process knows of one (lora_int_id, lora_name, lora_path)."""
 
     first_seen: str  # the content identity the process first found
-    identity: str  # what requests are hashed with now
+    identity: str  # what requests are hashed with now: the current version's
+    seen: str  # the content identity the last look found
+    version: int = 0  # how many times a look found other files than the one before
 
 
 # By (lora_int_id, lora_name, lora_path), as vLLM's keys.
@@ -126,20 +135,26 @@ def forget() -> None:
 
 
 def _checked(lora: Any) -> _Adapter:
-    """The adapter's state after a look at its files now."""
+    """The adapter's state after a look at its files now: a new version where they
+    differ from what the last look found."""
     key = (lora.lora_int_id, lora.lora_name, lora.lora_path)
     contents = _contents_of(lora.lora_path)
     adapter = _adapters.get(key)
     if adapter is None:
-        adapter = _adapters[key] = _Adapter(contents, contents)
-    elif contents != adapter.first_seen and adapter.identity == adapter.first_seen:
-        adapter.identity = "changed:" + _PROCESS_TOKEN
-        logger.warning(
+        adapter = _adapters[key] = _Adapter(contents, contents, contents)
+    elif contents != adapter.seen:
+        adapter.seen = contents
+        adapter.version += 1
+        # Which version the workers hold is unknown from now on: each version is
+        # this process's alone, and none shares another's key.
+        adapter.identity = f"changed:{_PROCESS_TOKEN}:{adapter.version}"
+        (logger.warning if adapter.version == 1 else logger.info)(
             "CPU offload: the files of LoRA adapter %r at %s changed while the engine "
-            "runs; its KV is this engine's alone from now on (load the new files "
-            "under a new adapter name to share them)",
+            "runs (version %d of this engine); its KV is this engine's alone from now "
+            "on (load new files under a new adapter name to share them)",
             lora.lora_name,
             lora.lora_path,
+            adapter.version,
         )
     return adapter
 

@@ -142,6 +142,31 @@ def test_a_request_hashed_before_its_adapter_changed_is_kept_out_of_the_tier(
     assert not lora_identity.hashes_hold(queued)
 
 
+def test_each_rewrite_of_an_adapter_in_a_running_engine_is_a_new_identity(
+    tmp_path: Path,
+) -> None:
+    # An RL loop writes step N+2 over N+1 and reloads in place: the requests after
+    # each reload get keys no earlier version had, and a request queued between the
+    # two rewrites (hashed on N+1) runs on N+2's files: it neither loads nor stores.
+    lora_identity.install()
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, 1.0)
+    first = block_hashes(adapter)
+    write_adapter(adapter, 2.0)
+    second = block_hashes(adapter, load_inplace=True)
+    queued = lora_request(adapter)
+    assert lora_identity.hashes_hold(queued)
+    write_adapter(adapter, 3.0)
+    third = lora_request(adapter, load_inplace=True)
+    assert not lora_identity.hashes_hold(queued)
+    assert lora_identity.hashes_hold(third)
+    assert len({first[0], second[0], third.block_hashes[0]}) == 3
+    assert not set(third.block_hashes) & (set(first) | set(second))
+    assert block_hashes(adapter) == list(third.block_hashes)  # N+2 stays N+2
+    write_adapter(adapter, 2.0)  # N+1's files back: a version of its own again
+    assert not set(block_hashes(adapter)) & (set(second) | set(third.block_hashes))
+
+
 def test_a_request_keeps_the_keys_of_its_first_block(tmp_path: Path) -> None:
     # The blocks a request adds while it decodes take the identity it was hashed
     # with first, so its chain of hashes stays one adapter's.
