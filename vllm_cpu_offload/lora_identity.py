@@ -11,7 +11,13 @@ with one that appends the adapter's content identity to vLLM's tuple:
   exact SHA-256 of each top-level file (kept on disk per version of the file, so a
   later start pays a stat per file);
 - anything else (a hub id, which vLLM resolves in the workers): a token of this process
-  start, so such blocks are neither shared nor restored across processes.
+  start, so such blocks are neither shared nor restored across processes;
+- a local folder or file on a file system whose `stat` is not known to change with the
+  content (`stat_trust.py`: FUSE, overlayfs, network file systems, images, one that
+  cannot be told): `unproven:`, a token of this start and the files' stat, and no
+  tier stores or loads its blocks. A rewrite may keep every field of such a `stat`,
+  and reading the files at each check (below) would cost their size each time, so
+  nothing tells which files its KV was computed with.
 
 What the workers run is what they last loaded from the path: at the adapter's first
 use, again after vLLM's worker evicted it (`--max-cpu-loras`), and at every request or
@@ -42,9 +48,10 @@ seen.
 Cost: the first block of the first request naming an adapter in this process reads the
 adapter's files, on the engine core's thread (SHA-256 at about 1.8 GiB/s: 55 ms per
 100 MB on the machine `file_digest.py` was measured on), or stats them where a previous
-start kept their digests. Each later request pays a `stat` per adapter file at its first
-block (every later block is an attribute read), at each lookup, and at each step that
-stores a new block of it; a look that finds a file changed reads that file again.
+start kept their digests. Each later request pays a `stat` and a `statfs` per adapter
+file at its first block (every later block is an attribute read), at each lookup, and
+at each step that stores a new block of it; a look that finds a file changed reads
+that file again.
 
 KV events carry the block hashes made with it (their extra keys stay vLLM's bare LoRA
 name). An external router that computes block hashes for LoRA requests itself, from
@@ -59,6 +66,7 @@ is replaced.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -66,7 +74,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm_cpu_offload.file_digest import FileVersion
 from vllm_cpu_offload.layers import TierLayer
+from vllm_cpu_offload.stat_trust import stat_follows_content
 from vllm_cpu_offload.weights_identity import checkpoint_digest
 
 if TYPE_CHECKING:
@@ -76,6 +86,8 @@ logger = logging.getLogger("vllm.cpu_offload")
 
 # Adapters that nothing on this machine identifies are this process's alone.
 _PROCESS_TOKEN = secrets.token_hex(16)
+# The identity of an adapter whose files lie where stat proves nothing, less its token.
+_UNPROVEN = "unproven:"
 # The request attribute holding the LoRA keys its blocks were hashed with.
 _HASHED_WITH = "_cpu_offload_lora_keys"
 
@@ -121,12 +133,14 @@ def install() -> None:
 
 def hashes_hold(request: Any) -> bool:
     """Whether the adapter identity `request` was hashed with still names what its
-    adapter's files hold (True without LoRA). O(files of the adapter): a stat each."""
+    adapter's files hold (True without LoRA; never for an adapter on a file system
+    whose stat proves nothing). O(files of the adapter): a stat and a statfs each."""
     lora = getattr(request, "lora_request", None)
     keys = getattr(request, _HASHED_WITH, None)
     if not lora or not keys:
         return True
-    return _checked(lora).identity == keys[0][-1]
+    adapter = _checked(lora)
+    return adapter.identity == keys[0][-1] and not adapter.seen.startswith(_UNPROVEN)
 
 
 def forget() -> None:
@@ -161,12 +175,19 @@ def _checked(lora: Any) -> _Adapter:
 
 def _contents_of(lora_path: str) -> str:
     local = Path(os.path.expanduser(lora_path))
-    if local.is_dir() or local.is_file():
-        try:
+    if not (local.is_dir() or local.is_file()):
+        return "process:" + _PROCESS_TOKEN
+    try:
+        files = [local] if local.is_file() else sorted(local.iterdir())
+        versions = [FileVersion.of(f) for f in files if f.is_file()]
+        if all(stat_follows_content(Path(v.path)) for v in versions):
             return "files:" + checkpoint_digest(local)
-        except OSError:
-            return "process:" + _PROCESS_TOKEN  # unreadable: nothing names it
-    return "process:" + _PROCESS_TOKEN
+    except OSError:
+        return "process:" + _PROCESS_TOKEN  # unreadable: nothing names it
+    # What the stat says still starts a new version where it changes (for vLLM's
+    # own prefix cache, keyed alike); that it did not change proves nothing.
+    stats = hashlib.sha256(repr(versions).encode()).hexdigest()[:32]
+    return f"{_UNPROVEN}{_PROCESS_TOKEN}:{stats}"
 
 
 class LoraIdentityLayer(TierLayer):

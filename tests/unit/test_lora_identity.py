@@ -4,6 +4,7 @@ gets other hashes in the next process, an unchanged one the same."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -21,10 +22,11 @@ from vllm.v1.core import kv_cache_utils  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from vllm_cpu_offload import file_digest, lora_identity  # noqa: E402
+from vllm_cpu_offload import file_digest, lora_identity, stat_trust  # noqa: E402
 
 BLOCK_SIZE = 16
 BLOCKS = 8
+FUSE_SUPER_MAGIC = 0x65735546  # statfs(2)'s f_type of a FUSE mount
 init_none_hash(sha256)
 HASHER = get_request_block_hasher(BLOCK_SIZE, sha256)
 
@@ -165,6 +167,34 @@ def test_each_rewrite_of_an_adapter_in_a_running_engine_is_a_new_identity(
     assert block_hashes(adapter) == list(third.block_hashes)  # N+2 stays N+2
     write_adapter(adapter, 2.0)  # N+1's files back: a version of its own again
     assert not set(block_hashes(adapter)) & (set(second) | set(third.block_hashes))
+
+
+def test_an_adapter_where_stat_proves_nothing_stays_out_of_the_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a FUSE mount whose server keeps a file's stat when its object is replaced
+    # (same size and time, its ctime made up): no look at stat tells the rewrite,
+    # so no request of the adapter loads or stores, and another process that finds
+    # the same files gets other keys.
+    real = file_digest.FileVersion.of
+    monkeypatch.setattr(
+        file_digest.FileVersion,
+        "of",
+        classmethod(lambda cls, path: dataclasses.replace(real(path), ctime_ns=0)),
+    )
+    monkeypatch.setattr(stat_trust, "fs_magic", lambda path: FUSE_SUPER_MAGIC)
+    lora_identity.install()
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, 1.0)
+    queued = lora_request(adapter)
+    assert not lora_identity.hashes_hold(queued)
+    write_adapter(adapter, 2.0)
+    reloading = lora_request(adapter, load_inplace=True)
+    assert not lora_identity.hashes_hold(queued)
+    assert not lora_identity.hashes_hold(reloading)
+    new_process()
+    monkeypatch.setattr(lora_identity, "_PROCESS_TOKEN", "another process")
+    assert block_hashes(adapter) != list(reloading.block_hashes)
 
 
 def test_a_request_keeps_the_keys_of_its_first_block(tmp_path: Path) -> None:
