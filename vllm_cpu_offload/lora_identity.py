@@ -37,7 +37,8 @@ process has seen, counted from 0 at the first look:
   it for all its blocks;
 - a request hashed under a version that is no longer the current one (`hashes_hold`)
   neither loads nor stores, in any tier: queued before an in-place reload, it runs on
-  the new files with the old files' hashes.
+  the new files with the old files' hashes (vLLM's own prefix cache, keyed by the same
+  hashes, still serves it what the device holds under them, as without the tier).
 Loading new files under a new adapter id, name or path shares them again.
 A version's first blocks may still be computed by workers that hold the version
 before it, until a request or `add_lora` reloads the files (vLLM's own prefix cache,
