@@ -84,3 +84,49 @@ def test_without_the_retain_the_flood_evicts_the_prefix() -> None:
         )
     engine.kv.reset_prefix_cache()
     assert engine.admit(_request("t2", list(range(13)) + [77, 78, 79])) == 0
+
+
+def test_a_retain_action_of_vllms_hint_envelope_keeps_the_prefix_through_a_flood() -> (
+    None
+):
+    # vLLM 0.33's own request path: an orchestrator's `KvHintsEnvelope` in the
+    # engine-core request, through the engine core's serialization, made a
+    # `Request` as the engine core makes it, read by our scheduler half.
+    hints = pytest.importorskip("vllm.v1.kv_hints")
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.request import Request
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    decoder = MsgpackDecoder(EngineCoreRequest)
+
+    def enveloped(req_id: str, tokens: list[int], *actions: Any) -> Any:
+        core = EngineCoreRequest(
+            request_id=req_id,
+            prompt_token_ids=tokens,
+            mm_features=None,
+            sampling_params=SamplingParams(max_tokens=4),
+            pooling_params=None,
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+            kv_hints=hints.KvHintsEnvelope("1", f"m-{req_id}", list(actions)),
+        )
+        sent = decoder.decode(MsgpackEncoder().encode(core))
+        return Request.from_engine_core_request(sent, block_hasher=HASHER)
+
+    engine = _hinted(retain_blocks=4)
+    retain = hints.KvHintAction("a1", "retain", "1", {"ttl_s": 60})
+    _finish(engine, enveloped("t1", list(range(13)), retain))
+    assert engine.tier.stats.retained_blocks == 3
+    for i in range(4):
+        _finish(
+            engine,
+            _request(f"doc{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 13))),
+        )
+    engine.kv.reset_prefix_cache()
+    release = hints.KvHintAction("a2", "release", "1", {})
+    turn2 = enveloped("t2", list(range(13)) + [77, 78, 79], release)
+    assert engine.admit(turn2) == 12  # every block of turn 1 from host memory
+    assert engine.tier.stats.retained_hit_blocks == 3

@@ -72,6 +72,63 @@ def test_a_huge_infinite_or_nan_hint_is_capped_or_ignored_never_raised(
     assert "retain=<an int of 16610 bits>" in huge and "done=nan" in huge
 
 
+def _action(kind: str, payload: Any = None, version: str = "1") -> Any:
+    """A `KvHintAction` as vLLM 0.33 carries it (`vllm/v1/kv_hints/protocol.py`)."""
+    return types.SimpleNamespace(
+        action_id="a1",
+        action_type=kind,
+        action_version=version,
+        payload={} if payload is None else payload,
+    )
+
+
+def _enveloped(*actions: Any, params: Any = None, max_retain_s: float = 600.0):
+    envelope = types.SimpleNamespace(
+        protocol_version="1", message_id="m1", actions=list(actions)
+    )
+    request = types.SimpleNamespace(
+        request_id="r1", kv_transfer_params=params, kv_hints=envelope
+    )
+    return hints_of(request, max_retain_s=max_retain_s)
+
+
+def test_retain_and_release_are_read_from_the_kv_hints_envelope() -> None:
+    assert _enveloped(_action("retain")).retain_s == DEFAULT_RETAIN_S
+    assert _enveloped(_action("retain", {"ttl_s": 45})) == RequestHints(retain_s=45.0)
+    assert _enveloped(_action("retain", {"ttl_s": 1e9}), max_retain_s=60).retain_s == 60
+    assert _enveloped(_action("release")) == RequestHints(done=True)
+    # Another component's action is its own; an empty envelope says nothing.
+    assert _enveloped(_action("prefetch", {"destination": "w1"})) == NO_HINTS
+    assert _enveloped() == NO_HINTS
+
+
+def test_both_channels_speak_the_longer_retain_wins_either_done_counts() -> None:
+    params = {"retain": 30, "max_offload_tokens": 8}
+    assert _enveloped(_action("retain", {"ttl_s": 90}), params=params) == RequestHints(
+        max_offload_tokens=8, retain_s=90.0
+    )
+    assert _enveloped(_action("retain", {"ttl_s": 5}), params=params).retain_s == 30
+    assert _enveloped(_action("release"), params={"retain": 30}) == RequestHints(
+        retain_s=30.0, done=True
+    )
+
+
+def test_a_bad_envelope_action_is_ignored_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        hints = _enveloped(
+            _action("retain", version="2"),
+            _action("release", payload="now"),
+            _action("retain", {"ttl_s": -3}),
+        )
+    assert hints == NO_HINTS
+    (record,) = caplog.records
+    text = record.getMessage()
+    assert "r1" in text and "action_version='2'" in text
+    assert "payload of a str" in text and "retain=-3" in text
+
+
 # ---- retention over the real pool ----
 
 
