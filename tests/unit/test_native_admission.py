@@ -16,7 +16,13 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 
-from tests.unit.test_native_policies import MODULE, Request, adapter_of, store
+from tests.unit.test_native_policies import (
+    MODULE,
+    TOKENS_PER_CHUNK,
+    Request,
+    adapter_of,
+    store,
+)
 from vllm_cpu_offload.scheduler.policies.admission_duel import GUARDING
 from vllm_cpu_offload.scheduler.policies.base import HostBlock
 from vllm_cpu_offload.scheduler.policies.prefix_aware import PrefixAwarePolicy
@@ -49,21 +55,21 @@ def test_a_guarding_policy_admits_only_what_fits_the_free_chunks() -> None:
     assert adapter.admit(newcomer.keys, newcomer.context) == 0
 
 
-def loop_host_hits(manager: CPUOffloadingManager, docs: int, doc_chunks: int) -> int:
-    """Host hits of a loop of `docs` documents read three times, in order, with no
+def loop_host_hits(manager: CPUOffloadingManager, num_docs: int, chunks: int) -> int:
+    """Host hits of a loop of `num_docs` documents read three times, in order, with no
     device cache in front: each read hits the host run of its document's head."""
     docs = [
-        Request(".".join(f"d{d}c{c}" for c in range(doc_chunks))) for d in range(docs)
+        Request(".".join(f"d{d}c{c}" for c in range(chunks))) for d in range(num_docs)
     ]
     hits = 0
     for rnd in range(3):
         for doc in docs:
             ctx = ReqContext(req_id=f"{rnd}-{doc.path}")
-            for k in doc.keys:
-                ctx.set_offload_key_position(k, doc.context.get_offload_key_position(k))
+            for position, k in enumerate(doc.keys, start=1):
+                ctx.set_offload_key_position(k, position * TOKENS_PER_CHUNK)
             manager.on_new_request(ctx)
             run = 0
-            while run < doc_chunks and manager.lookup(doc.keys[run], ctx) is (
+            while run < chunks and manager.lookup(doc.keys[run], ctx) is (
                 LookupResult.HIT
             ):
                 run += 1
