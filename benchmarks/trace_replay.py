@@ -139,13 +139,22 @@ class VllmTier:
     it; `module_path` loads `policy` from outside vLLM (`cache_policy_module_path`)."""
 
     def __init__(
-        self, policy: str, capacity: int, module_path: str | None = None
+        self,
+        policy: str,
+        capacity: int,
+        module_path: str | None = None,
+        **manager_kwargs: object,
     ) -> None:
         from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+        # `manager_kwargs`: the manager's other settings, e.g. `store_threshold`, or
+        # (the series' [3/8]) `cache_policy_kwargs`.
         self.manager = CPUOffloadingManager(
-            capacity, cache_policy=policy, cache_policy_module_path=module_path
+            capacity,
+            cache_policy=policy,
+            cache_policy_module_path=module_path,
+            **manager_kwargs,  # type: ignore[arg-type]
         )
         self._hit = LookupResult.HIT
         self._ctx = ReqContext

@@ -29,12 +29,18 @@ What vLLM's interface lacks, and what is lost without it:
   request showed counts as a root, not an orphan. The hook upstream would add: the
   parent's key (held or not) as an argument of `CachePolicy.insert`, or
   `ReqContext.get_offload_key_at(group, position)`.
-- Admission. `prefix_aware` refuses first-sight keys while it guards and lets one key
-  in `keep_every` in while it keeps; `arc`, `lirs` and `s3fifo` refuse a key in a
-  corner case. vLLM never asks (`admit` is not called): every store is admitted, so a
-  guarding prefix_aware evicts as a protecting one, a keeping one in LRU order. vLLM's
-  own `store_threshold` still applies. The hook: `CachePolicy.admit(keys,
-  req_context)`, how many of the keys to store, asked before `evict`.
+- Admission per key. `prefix_aware` refuses first-sight keys while it guards and lets
+  one key in `keep_every` in while it keeps; `arc`, `lirs` and `s3fifo` refuse a key in
+  a corner case. vLLM 0.33.0's manager admits by `store_threshold` alone
+  (vllm/v1/kv_offload/cpu/manager.py:282-291), and a policy can refuse a store only as
+  a whole, through `evict` -> None (manager.py:334-336), which the scheduler counts as
+  an allocation failure and retries (offloading/scheduler.py:1988-1996): no hook asks
+  it key by key. With the upstream series' [3/8], the manager asks
+  `CachePolicy.admit(keys, req_context)` (how many of the new keys, head to tail, to
+  store) before `evict`, and the adapter answers with the plugin policy's `admit`.
+  Without it (vLLM 0.32, unpatched 0.33) `admit` is never called: every store is
+  admitted, so a guarding prefix_aware evicts as a protecting one, a keeping one in
+  LRU order.
 - Device hits. A block the GPU cache served is heard (`on_device_hit`, when the
   request ends) only where vLLM offers it for store again, which it does for a
   request that read nothing from the host; the GPU-served prefix of a request that
@@ -42,9 +48,10 @@ What vLLM's interface lacks, and what is lost without it:
   `touch` from vLLM's scheduler for GPU prefix hits.
 - A second load of a block already being loaded is not a use: vLLM tells the policy
   of a block's first pin only (`mark_non_evictable`, ref count 0 -> 1).
-- The policies' settings (`protected_fraction`, `history_factor`, ...): vLLM builds a
-  policy from `cache_capacity` alone, so the defaults apply. The hook: the extra
-  config passed to the policy's constructor.
+- The policies' settings (`protected_fraction`, `history_factor`, ...): vLLM 0.33.0
+  builds a policy from `cache_capacity` alone (manager.py:81), so the defaults apply.
+  With [3/8], `kv_connector_extra_config`'s `cache_policy_kwargs` reaches the policy's
+  constructor, and the adapter passes it on.
 """
 
 from __future__ import annotations
@@ -63,8 +70,8 @@ __all__ = [
 
 class PrefixAwareCachePolicy(EvictionPolicyAdapter):
     """The plugin's `prefix_aware`: orphans first, leaves before their ancestors, a
-    protected segment for reused blocks (admission is vLLM's, see the module
-    docstring)."""
+    protected segment for reused blocks, and its admission where vLLM asks
+    `CachePolicy.admit` (see the module docstring)."""
 
     policy_name = "prefix_aware"
 

@@ -11,6 +11,8 @@ vLLM calls the `CachePolicy`          -> the plugin's policy hears
 - `mark_non_evictable` (a load)       -> `on_pin(block)`, then `on_access` (batched,
                                          deepest first): a read of the host is a use
 - `mark_evictable` after the loads    -> `on_unpin(block)`
+- `admit(keys)` (vLLM with [3/8])     -> `admit(key)` for each key past the free
+                                         chunks; a refusal `on_declined`s the rest
 - `evict(n, protected)`               -> `protected` pinned, `pop_victim()` n times
 - `remove(key)` (a failed store)      -> `on_remove(block)`; its children orphaned
 - `touch(keys)`                       -> `on_access(ready blocks, deepest first)`
@@ -37,7 +39,7 @@ O(len(protected)) to shield the protected keys; `clear` is O(blocks held).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import ClassVar, cast
+from typing import Any, ClassVar, cast
 
 from typing_extensions import override
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
@@ -51,7 +53,7 @@ from vllm_cpu_offload.scheduler.policies.base import (
     attach_child,
     cut_from_chain,
 )
-from vllm_cpu_offload.scheduler.policies.registry import make_policy
+from vllm_cpu_offload.scheduler.policies.registry import resolve_policy
 
 # vLLM 0.33 shows a request's first access of each key (`on_request_access`) before
 # any insert; vLLM 0.32 does not have the hook.
@@ -103,9 +105,12 @@ class EvictionPolicyAdapter(CachePolicy):
 
     policy_name: ClassVar[str]
 
-    def __init__(self, cache_capacity: int) -> None:
+    def __init__(self, cache_capacity: int, **settings: Any) -> None:
         super().__init__(cache_capacity)
-        self._policy: EvictionPolicy = make_policy(self.policy_name, cache_capacity)
+        # The policy's own settings (`protected_fraction`, ...): vLLM with [3/8] passes
+        # `kv_connector_extra_config`'s `cache_policy_kwargs`; without it, none.
+        self._settings = settings
+        self._policy: EvictionPolicy = self._new_policy()
         self._held: dict[OffloadKey, _HeldChunk] = {}
         # Blocks that left, reused by later inserts: a block links to itself while
         # unlisted, so one dropped would wait for the cycle collector, and a run that
@@ -164,6 +169,21 @@ class EvictionPolicyAdapter(CachePolicy):
         if chunk.is_ready:
             block.state = BlockState.READY
             self._finished_stores.append(block)
+
+    def admit(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> int:
+        """vLLM with `CachePolicy.admit` (the series' [3/8]): how many of `keys` (new
+        keys, head to tail) to store. As in the plugin's pool, keys that fit the free
+        chunks go in unasked; each later one needs the policy's `admit`, and a
+        refusal declines the rest of the chain (`on_declined`). Unpatched vLLM never
+        calls it: every store is admitted. O(1) per key."""
+        self._tell_pending()
+        policy = self._policy
+        for index in range(max(self.cache_capacity - len(self._held), 0), len(keys)):
+            if not policy.admit(keys[index]):
+                for later in keys[index + 1 :]:
+                    policy.on_declined(later)
+                return index
+        return len(keys)
 
     @override
     def remove(self, key: OffloadKey) -> None:
@@ -265,7 +285,7 @@ class EvictionPolicyAdapter(CachePolicy):
 
     @override
     def clear(self) -> None:
-        self._policy = make_policy(self.policy_name, self.cache_capacity)
+        self._policy = self._new_policy()
         self._held.clear()
         self._finished_stores.clear()
         self._loads_started.clear()
@@ -315,6 +335,9 @@ class EvictionPolicyAdapter(CachePolicy):
             assert children == block.num_children
 
     # ----- internals -----
+
+    def _new_policy(self) -> EvictionPolicy:
+        return resolve_policy(self.policy_name)(self.cache_capacity, **self._settings)
 
     def _tell_pending(self) -> None:
         """Tells the policy of the stores that finished and the loads that began
@@ -393,6 +416,9 @@ class EvictionPolicyAdapter(CachePolicy):
         return shielded
 
     def _unshield(self, shielded: list[_HeldChunk]) -> None:
+        # Back head to tail: `protected` is a set, whose order is its keys' salted
+        # hashes, which would make the order differ in every process.
+        shielded.sort(key=_position)
         for block in shielded:
             block.pin_count = 0
             self._policy.on_unpin(block)

@@ -56,7 +56,14 @@ from .admission_duel import (
     AdmissionDuel,
     KeepCredit,
 )
-from .base import BlockKey, BlockList, BlockState, EvictionPolicy, HostBlock
+from .base import (
+    BlockKey,
+    BlockList,
+    BlockState,
+    EvictionPolicy,
+    HostBlock,
+    stable_key_hash,
+)
 
 _PROBATION = 0
 _PROTECTED = 1
@@ -91,8 +98,9 @@ class PrefixAwarePolicy(EvictionPolicy):
         # Blocks held in the protected segment, listed or not (pinned, storing, parked).
         self._num_protected = 0
         self._history_factor = history_factor
-        # Keyed by hash(key): one hash per insert serves the sample test and this
-        # look-up. Two keys with equal 64-bit hashes at worst recall a key that
+        # Keyed by stable_key_hash(key) (the same in every process, unlike hash(), so
+        # the sample and the decisions are too): one hash per insert serves the sample
+        # test and this look-up. Two keys with equal hashes at worst recall a key that
         # was never evicted. The value is the epoch the key was remembered in (an
         # epoch is num_blocks / 16 keys remembered; its number is one int object
         # that all its keys share), which tells whether it is within the guarding
@@ -116,7 +124,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         mode = self._duel.mode
         if mode in (ADMITTING, PROTECTING):
             return True
-        h = hash(key)
+        h = stable_key_hash(key)
         if mode == GUARDING:
             if self._recalls(h):
                 return True
@@ -130,7 +138,7 @@ class PrefixAwarePolicy(EvictionPolicy):
     def on_declined(self, key: BlockKey) -> None:
         if self._duel.mode == KEEPING:
             self._keep_credit.refused()
-        h = hash(key)
+        h = stable_key_hash(key)
         self._duel.observe(h)
         if not self._recalls(h):
             self._remember(h)
@@ -147,7 +155,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         recalled = False
         for block in blocks:
             block.stamp = clock
-            h = hash(block.key)
+            h = stable_key_hash(block.key)
             if not h & mask:
                 # Sampled keys feed the shadows, here and at every later use.
                 block.in_duel_sample = True
@@ -205,7 +213,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         moved = 0
         for block in blocks:
             if block.in_duel_sample:
-                feed(hash(block.key))
+                feed(stable_key_hash(block.key))
             block.stamp = clock
             owner = block.owner
             if owner is protected or owner is probation:
@@ -296,7 +304,7 @@ class PrefixAwarePolicy(EvictionPolicy):
             victim.segment = _PROBATION
             self._num_protected -= 1
         self._leaves_sample(victim)
-        self._remember(hash(victim.key))
+        self._remember(stable_key_hash(victim.key))
         return victim
 
     def reset(self) -> None:
