@@ -25,7 +25,6 @@ benchmarks/mixed_tp_agreement.py measures both.
 
 from __future__ import annotations
 
-import json
 from contextlib import AbstractContextManager
 
 import pytest
@@ -51,15 +50,10 @@ DOCS = 2
 
 
 def _server(model: str, url: str, tp: int) -> AbstractContextManager[RunningServer]:
-    # Store calls bounded by 30 s, not 2: a TP=2 server beside the store's processes
-    # on two busy cores may take seconds for a call, and a write or fetch given up
-    # is a miss (correct, but not what this test is about).
-    patient = {
-        "kv_connector": "CPUOffloadConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"remote_timeout_s": 30},
-    }
-    flags = [*server_flags(url), "--kv-transfer-config", json.dumps(patient)]
+    # Store calls unbounded (server_flags): a TP=2 server beside the store's
+    # processes on two busy cores may take seconds for a call, and a write or fetch
+    # given up is a miss (correct, but not what this test is about).
+    flags = server_flags(url)
     env = dict(MOONCAKE_ENV)
     if tp > 1:
         flags += ["--tensor-parallel-size", str(tp)]
@@ -75,12 +69,13 @@ def _own_answers(server: RunningServer, docs: list[str]) -> list[dict]:
     return [complete(server, d, cache_salt="own") for d in docs]
 
 
-def _write(server: RunningServer, docs: list[str], writes: int) -> None:
-    """Reads `docs`, and returns once the server's workers reported `writes` blocks
-    written (each rank counts the blocks it wrote its heads of)."""
+def _write(server: RunningServer, docs: list[str], ranks: int, blocks: int) -> None:
+    """Reads `docs`, and returns once each of the server's `ranks` wrote its heads of
+    every block the server stored, `blocks` (or more) of them: its earlier reads'
+    and these (each rank counts the blocks it wrote its heads of)."""
     for d in docs:
         complete(server, d)
-    stepped_until(server, all_written(writes))
+    stepped_until(server, all_written(ranks, ranks * blocks))
 
 
 def _read(server: RunningServer, docs: list[str]) -> tuple[list[dict], float]:
@@ -99,12 +94,12 @@ def test_tp1_and_tp2_engines_read_each_others_documents(
     d1 = documents(53, DOCS)[0]
     d2 = documents(59, DOCS)[0]
     with _server(tiny_model, mooncake.url, tp=2) as a:
-        _write(a, d1, writes=2 * DOCS * (BLOCKS - 1))  # both ranks, a head each
+        _write(a, d1, ranks=2, blocks=DOCS * (BLOCKS - 1))  # a head on each rank
     with _server(tiny_model, mooncake.url, tp=1) as b:
         own_d1 = _own_answers(b, d1)
         from_tp2, hits = _read(b, d1)
         # One rank writes both heads of D2's blocks and of its salted reads of D1.
-        _write(b, d2, writes=2 * DOCS * (BLOCKS - 1))
+        _write(b, d2, ranks=1, blocks=2 * DOCS * (BLOCKS - 1))
     assert hits >= DOCS * HITS
     assert all(cached_tokens(r) >= HITS for r in from_tp2)
     assert [text(r) for r in from_tp2] == [text(r) for r in own_d1]

@@ -8,7 +8,8 @@ import time
 from vllm_cpu_offload.remote.bounded_call import BoundedCaller
 
 
-def _eventually(condition: object, wait_s: float = 10.0) -> bool:
+def _eventually(condition: object, wait_s: float = 120.0) -> bool:
+    """Whether `condition` came to hold within `wait_s` (a hang's bound)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if condition():  # type: ignore[operator]

@@ -11,12 +11,13 @@ import torch
 
 from vllm_cpu_offload.block_transfer import RemoteBlocks
 from vllm_cpu_offload.remote.registry import open_store
+from vllm_cpu_offload.testing.store_servers import UNBOUNDED_CALL_S
 from vllm_cpu_offload.worker.block_values import BlockValues
 from vllm_cpu_offload.worker.head_slices import HeadSlices
 from vllm_cpu_offload.worker.host_buffer import HostBuffer
 from vllm_cpu_offload.worker.remote_io import RemoteIO, RemoteResults
 
-from .conftest import wait_until_up
+from .conftest import HANG_S, wait_until_up
 
 NAMESPACE = "vco-heads"
 BLOCKS = 6
@@ -58,13 +59,14 @@ def _io(url: str, host: HostBuffer, slices: HeadSlices, heads: range) -> RemoteI
         host,
         values,
         namespace=NAMESPACE,
-        timeout_s=5.0,
+        # Unbounded: a call that a loaded machine makes slow is no miss here.
+        timeout_s=UNBOUNDED_CALL_S,
         max_queued_writes=BLOCKS,
     )
 
 
 def _until(io: RemoteIO, job: int, fetched: bool) -> list[bool]:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_S
     while True:
         got: RemoteResults = io.poll()
         done = got.fetched if fetched else got.written

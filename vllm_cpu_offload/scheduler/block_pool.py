@@ -6,15 +6,8 @@ ids for the worker-side transfer engine to copy into, tracks each block through
 STORING -> READY, pins blocks while loads read them, and asks an `EvictionPolicy` for
 victims when it needs room.
 
-Invariants (checked by `check_invariants`, and by asserts on the hot path):
-- A pinned block is never evicted, dropped by `reset`, or reused.
-- A STORING block is never visible to lookups and never evicted.
-- A block `reset` could not drop (pinned or STORING) is never visible to lookups again:
-  it holds KV of before the reset (vLLM resets before changing the weights), so it
-  stays held, unread, until freed: once evictable, evicted before any other, or freed
-  by a store of its key.
-- Blocks in use <= `num_blocks`; every host block id is either free or held by one key.
-- A key maps to at most one host block; freed ids are reused.
+Its invariants are listed, and checked, in `pool_invariants.py` (asserts on the hot
+path check those that a call could break).
 
 Every operation is O(1) per block it names (dict look-ups and intrusive lists), except
 `reset` and `check_invariants`, which are O(blocks held). Nothing reads the wall clock.
@@ -23,7 +16,7 @@ Every operation is O(1) per block it names (dict look-ups and intrusive lists), 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 from .policies.base import (
@@ -35,6 +28,7 @@ from .policies.base import (
     cut_from_chain,
 )
 from .pool_events import PersistenceListener, PoolEvent
+from .pool_invariants import check_pool_invariants
 
 __all__ = ["BlockKey", "BlockState", "HostBlockPool", "PoolEvent"]
 
@@ -400,32 +394,9 @@ class HostBlockPool:
         return events
 
     def check_invariants(self) -> None:
-        """Asserts every invariant of the pool. O(num_blocks); for tests and
-        debugging."""
-        free_ids = {block.block_id for block in self._free}
-        assert len(free_ids) == len(self._free), "a free id is listed twice"
-        held_ids = {block.block_id for block in self._by_key.values()}
-        assert len(held_ids) == len(self._by_key), "a host block is held by two keys"
-        assert not free_ids & held_ids, "a held block is also free"
-        assert len(free_ids) + len(held_ids) == self.num_blocks, "a block id leaked"
-        storing = pinned = 0
-        for key, block in self._by_key.items():
-            assert block.key == key and self._blocks[block.block_id] is block
-            assert block.pin_count >= 0
-            assert block.state is BlockState.READY or not block.pin_count, "pinned"
-            storing += block.state is BlockState.STORING
-            pinned += block.pin_count > 0
-            if block.parent is not None:
-                assert self._by_key.get(block.parent.key) is block.parent, (
-                    "dangling parent"
-                )
-            assert block.num_children == sum(1 for _ in _children(block))
-            for child in _children(block):
-                assert child.parent is block
-        for block in self._free:
-            assert block.key is None and block.owner is None and block.num_children == 0
-        assert storing == self._num_storing and pinned == self._num_pinned
-        assert self._stale <= held_ids, "a stale id is not held"
+        """Asserts every invariant of the pool (`pool_invariants.py`). O(num_blocks);
+        for tests and debugging."""
+        check_pool_invariants(self)
 
     # ----- internals -----
 
@@ -525,10 +496,3 @@ class HostBlockPool:
         cut_from_chain(block, self.policy)
         block.key = None
         self._free.append(block)
-
-
-def _children(block: HostBlock) -> Iterator[HostBlock]:
-    child = block.first_child
-    while child is not None:
-        yield child
-        child = child.next_sibling
