@@ -41,6 +41,7 @@ name the weights alike; a rank that cannot say makes the engine unproven.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -66,6 +67,8 @@ class StartWeights:
 
     identity: str | None
     unproven: str = ""
+    # The models (`--model`, a drafter's) whose loads these are.
+    models: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -74,7 +77,7 @@ class _Reads:
 
     files: dict[str, os.stat_result] = field(default_factory=dict)
     unproven: str = ""
-    loads: int = 0
+    models: set[str] = field(default_factory=set)
 
 
 # Open while a model loads in this process (`_observed_load`).
@@ -167,11 +170,12 @@ def _observed_load(load_model: Callable[..., Any], *args: Any, **kwargs: Any) ->
     outer = _window
     reads = outer if outer is not None else _Reads()
     _window = reads
+    model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
+    reads.models.add(str(getattr(model_config, "model", "")))
     try:
         model = load_model(*args, **kwargs)
     finally:
         _window = outer
-    reads.loads += 1
     if outer is None:
         _start = reads if _start is None else _merged(_start, reads)
     for told in on_model_loaded:
@@ -180,7 +184,7 @@ def _observed_load(load_model: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 
 def _merged(a: _Reads, b: _Reads) -> _Reads:
-    return _Reads({**a.files, **b.files}, a.unproven or b.unproven, a.loads + b.loads)
+    return _Reads({**a.files, **b.files}, a.unproven or b.unproven, a.models | b.models)
 
 
 def process_start_weights() -> StartWeights | None:
@@ -189,33 +193,41 @@ def process_start_weights() -> StartWeights | None:
     reads = _start
     if reads is None:
         return None
+    models = frozenset(reads.models)
     if reads.unproven:
-        return StartWeights(None, f"weights read from {reads.unproven}")
+        return StartWeights(None, f"weights read from {reads.unproven}", models)
     if not reads.files:
-        return StartWeights(None, "weights the loader read from no checkpoint file")
+        return StartWeights(None, "weights read from no checkpoint file", models)
     paths = sorted(reads.files, key=lambda p: (Path(p).name, p))
     try:
         digests = file_digests([Path(p) for p in paths])
         now = [os.stat(p) for p in paths]
     except OSError as err:
-        return StartWeights(None, f"weights in {err.filename} ({err.strerror or err})")
+        why = f"weights in {err.filename} ({err.strerror or err})"
+        return StartWeights(None, why, models)
     h = hashlib.sha256()
     for path, digest, st in zip(paths, digests, now, strict=True):
         if _version(st) != _version(reads.files[path]):
-            return StartWeights(None, f"weights in {path} (changed since loaded)")
+            why = f"weights in {path} (changed since loaded)"
+            return StartWeights(None, why, models)
         h.update(f"{Path(path).name}\0{st.st_size}\0{digest}\n".encode())
-    return StartWeights("read:" + h.hexdigest()[:32])
+    return StartWeights("read:" + h.hexdigest()[:32], models=models)
 
 
 def _version(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
 
 
-def start_weights() -> StartWeights | None:
-    """The engine's start weights where the engine core said them, else this
-    process's own loads'; None where this process neither loaded a model nor was
-    told (halves built by hand)."""
-    return _engine if _engine is not None else process_start_weights()
+def start_weights(model: str) -> StartWeights | None:
+    """The start weights of the engine that loaded `model`: as the engine core said
+    them, else as this process's own loads read them; None where this process
+    neither loaded `model` nor was told of an engine that did (halves built by
+    hand)."""
+    if _engine is not None and model in _engine.models:
+        return _engine
+    if _start is not None and model in _start.models:
+        return process_start_weights()
+    return None
 
 
 def engine_start_weights(each_rank: list[StartWeights | None]) -> StartWeights:
@@ -250,7 +262,10 @@ def _naming_the_weights(initialize: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(initialize)
     def initialize_from_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         global _engine
-        if _uses_this_connector(self.vllm_config):
+        # Once per engine: a later call (elastic scaling) keeps the start's name.
+        named = getattr(self, "_cpu_offload_weights_named", False)
+        if _uses_this_connector(self.vllm_config) and not named:
+            self._cpu_offload_weights_named = True
             try:
                 ranks = self.collective_rpc(_rank_start_weights)
                 weights = engine_start_weights(list(ranks))
@@ -258,12 +273,19 @@ def _naming_the_weights(initialize: Callable[..., Any]) -> Callable[..., Any]:
                 weights = StartWeights(
                     None, f"weights the workers did not name ({err})"
                 )
+            weights = dataclasses.replace(weights, models=_models_of(self.vllm_config))
             _engine = weights
             self.collective_rpc(adopt_engine_weights, args=(weights,))
         return initialize(self, *args, **kwargs)
 
     initialize_from_config._cpu_offload_original = initialize  # type: ignore[attr-defined]
     return initialize_from_config
+
+
+def _models_of(vllm_config: Any) -> frozenset[str]:
+    draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
+    models = [vllm_config.model_config, draft]
+    return frozenset(str(m.model) for m in models if m is not None)
 
 
 def _uses_this_connector(vllm_config: Any) -> bool:

@@ -84,7 +84,7 @@ def loaded_weights(model_config: Any, load_config: Any) -> LoadedWeights:
             f"the weights --load-format {fmt} loads",
             "load a checkpoint at --model",
         )
-    observed = start_weights()
+    observed = start_weights(str(model_config.model))
     if observed is not None:
         if observed.identity is None:
             return LoadedWeights(None, f"the {observed.unproven}", _UNPROVEN_FIX)

@@ -38,9 +38,11 @@ def observed() -> Iterator[None]:
         yield
 
 
-def loaded(load: Callable[[], Any]) -> None:
-    """`load` run as a model load at start is (`get_model_loader`'s `load_model`)."""
-    weight_reads._observed_load(load)
+def loaded(load: Callable[[], Any], model: Path) -> None:
+    """`load` run as a load of `model` at start is (`get_model_loader`'s
+    `load_model`)."""
+    config = SimpleNamespace(model=str(model))
+    weight_reads._observed_load(lambda **_: load(), model_config=config)
 
 
 def tower(folder: Path, value: float) -> Path:
@@ -63,7 +65,7 @@ def load_with_secondary(primary: Path, secondary: Path) -> None:
         DefaultModelLoader.Source(str(secondary), None, prefix="audio_tower.")
     ]
     config = SimpleNamespace(model=str(primary), revision=None)
-    loaded(lambda: [name for name, _ in loader.get_all_weights(config, model)])  # type: ignore[arg-type]
+    loaded(lambda: [n for n, _ in loader.get_all_weights(config, model)], primary)  # type: ignore[arg-type]
 
 
 def engine_namespace(primary: Path) -> str | None:
@@ -84,7 +86,7 @@ def test_engines_whose_secondary_weights_differ_share_no_namespace(
     assert namespaces[0] != namespaces[1]
 
 
-def test_equal_loads_from_other_folders_share_a_namespace(
+def test_equal_loads_from_other_folders_name_the_same_weights(
     observed: None, tmp_path: Path
 ) -> None:
     # Machines of a fleet hold their own copies: names and content, not paths.
@@ -95,7 +97,8 @@ def test_equal_loads_from_other_folders_share_a_namespace(
     for where, model in (("a", primary), ("b", copy)):
         with weight_reads.forget_start():
             load_with_secondary(model, tower(tmp_path / where, 1.0))
-            namespaces.append(engine_namespace(primary))
+            start = weight_reads.start_weights(str(model))
+            namespaces.append(None if start is None else start.identity)
     assert namespaces[0] is not None and namespaces[0] == namespaces[1]
 
 
@@ -104,7 +107,7 @@ def test_a_read_no_digest_names_makes_the_tiers_private(observed: None) -> None:
 
     primary = ensure_tiny_llama()
     streamed = ["s3://bucket/model.safetensors"]
-    loaded(lambda: weight_utils.safetensors_weights_iterator(streamed, False))
+    loaded(lambda: weight_utils.safetensors_weights_iterator(streamed, False), primary)
     config = with_connector(vllm_config(str(primary)), remote_url="redis://h:1")
     assert namespace_of(config, GROUPS, 1) is None
     assert str(tier_fingerprint(config, GROUPS, 8, 1)["weights"]).startswith(
@@ -114,7 +117,7 @@ def test_a_read_no_digest_names_makes_the_tiers_private(observed: None) -> None:
 
 def test_a_load_that_read_no_file_is_unproven(observed: None) -> None:
     # Dummy weights, a peer's memory, a loader that opens its files itself.
-    loaded(lambda: None)
+    loaded(lambda: None, ensure_tiny_llama())
     assert engine_namespace(ensure_tiny_llama()) is None
 
 
@@ -123,7 +126,7 @@ def test_a_file_changed_since_it_was_loaded_is_not_what_was_loaded(
 ) -> None:
     secondary = tower(tmp_path / "tower", 1.0)
     load_with_secondary(ensure_tiny_llama(), secondary)
-    assert weight_reads.start_weights() == weight_reads.process_start_weights()
+    assert weight_reads.start_weights(str(ensure_tiny_llama())) is not None
     os.utime(secondary / "model.safetensors", ns=(1, 1))
     start = weight_reads.process_start_weights()
     assert start is not None and start.identity is None
@@ -173,7 +176,7 @@ def test_the_engine_core_names_the_weights_every_rank_read(
     # what every worker read, and tells each worker the same.
     executor = Ranks(ranks)
     initialize(executor)
-    start = weight_reads.start_weights()
+    start = weight_reads.start_weights(str(ensure_tiny_llama()))
     assert start is not None and executor.told == [start]
     assert (start.identity is not None) == named
     assert (engine_namespace(ensure_tiny_llama()) is not None) == named
