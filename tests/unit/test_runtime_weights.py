@@ -71,11 +71,7 @@ def loaded_model(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
     """vLLM's own Llama model class, made by vLLM's loader at start (`get_model`)
     in this process, with the hooks a worker has."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        init_distributed_environment,
-        initialize_model_parallel,
-        model_parallel_is_initialized,
-    )
+    from vllm.distributed import parallel_state as ps
     from vllm.model_executor.model_loader import get_model
 
     from tests.unit.connector_configs import vllm_config
@@ -88,17 +84,23 @@ def loaded_model(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
     config = vllm_config(str(ensure_tiny_llama()))
     config.device_config.device = torch.device("cpu")
+    ours = not torch.distributed.is_initialized()
     with set_current_vllm_config(config), forget_start():
-        if not model_parallel_is_initialized():
-            init_distributed_environment(
+        if ours:
+            ps.init_distributed_environment(
                 world_size=1,
                 rank=0,
                 local_rank=0,
                 distributed_init_method=f"file://{tmp_path}/rendezvous",
                 backend="gloo",
             )
-            initialize_model_parallel(1, 1)
-        yield get_model(vllm_config=config)
+            ps.ensure_model_parallel_initialized(1, 1)
+        try:
+            yield get_model(vllm_config=config)
+        finally:
+            if ours:
+                ps.destroy_model_parallel()
+                ps.destroy_distributed_environment()
 
 
 def test_weights_an_extension_loads_into_the_model_are_a_change(
