@@ -14,8 +14,9 @@ changes the forward pass and is left out of it would serve stale compiled graphs
 - the cache config: the KV-cache dtype, the layers it skips, the resolved KV cache
   layout (the byte order inside a block), block size, window settings;
 - the attention config: the backend chosen and its numerics settings.
-Around them: the weights actually loaded (`weights_identity`: the target's and a draft
-model's, whose layers' KV is in the same blocks), the load format, the speculative
+Around them: the weights actually loaded (the files the loader read at start,
+`weight_reads`: the target's, its secondary sources' and a draft model's, whose
+layers' KV is in the same blocks), the load format, the speculative
 method and draft model,
 `max_model_len` as the layers were built with it (vLLM builds them before it may shrink
 the length to fit memory), the host block size and KV cache groups, each rank's share

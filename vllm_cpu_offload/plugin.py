@@ -38,6 +38,13 @@ def register() -> None:
         return
     flags.apply()
     omp_cores.apply()
+    # Before any model loads in this process: the weights identity is what the
+    # loader reads (`weight_reads.py`).
+    from vllm_cpu_offload.runtime_weights import install_model_watch
+    from vllm_cpu_offload.weight_reads import install_read_observer
+
+    install_read_observer()
+    install_model_watch()
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(
             CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME

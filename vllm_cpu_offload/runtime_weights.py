@@ -19,13 +19,25 @@ but this one:
 The signs, whichever comes first:
 - vLLM resets the connector's cache (`reset_cache`): it does so before weight updates
   (`pause_generation(clear_cache=True)`, which RL loops use) and sleep;
-- a worker is asked to change its weights: vLLM's `Worker.reload_weights`,
-  `start_weight_update`, `start_draft_weight_update` and `update_weights` tell this
-  worker's tier first, which seals its store at once and reports the change with its
-  next step.
-Weights written into the model by other means (a worker extension's own method that
-calls `load_weights`) without a cache reset are not seen: vLLM's own prefix cache would
-then serve stale KV too.
+- weights are loaded into a loaded model: every model vLLM's loader makes at start
+  (`weight_reads`, `get_model_loader`'s `load_model`) has its own `load_weights`
+  wrapped on the instance (`watch_model`), the call every weight path ends in
+  (`reload_weights`: model_loader/reload/inplace.py:95; the IPC and NCCL weight
+  transfer engines: distributed/weight_transfer/ipc_engine.py:245,
+  nccl_engine.py:227; a worker extension's method of an RL framework), whoever calls
+  it. The start's own load calls
+  the class's method before the wrap (base_loader.py:88, default_loader.py:498) and
+  before any worker half exists, so it is no change;
+- a weight-transfer session, whose steps may write weights without `load_weights`
+  (resharded straight into live parameters, distributed/weight_transfer/m2n_engine.py:
+  258; the layer-wise finalize copies into kernel tensors,
+  model_loader/reload/layerwise.py:311, run by `finish_weight_update`,
+  ipc_engine.py:174): vLLM's `Worker.start_weight_update`,
+  `start_draft_weight_update`, `update_weights` and `finish_weight_update`
+  (gpu_worker.py:1507-1587), and `reload_weights`, tell this worker's tier first.
+A worker's tier seals its store at once and reports the change with its next step; a
+change told again (each chunk of a session, its finish) drops what the host tier
+stored since, KV of weights half replaced.
 """
 
 from __future__ import annotations
@@ -46,13 +58,14 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.cpu_offload")
 
-# vLLM's worker methods that change the model's weights (those a release lacks are
-# skipped).
+# vLLM's worker methods of a weight-transfer session, which may change the weights
+# without the model's `load_weights` (those a release lacks are skipped).
 WEIGHT_CHANGERS = (
     "reload_weights",
     "start_weight_update",
     "start_draft_weight_update",
     "update_weights",
+    "finish_weight_update",
 )
 
 # This process's worker halves, told before any weight changes.
@@ -79,6 +92,32 @@ def _telling_the_tier(name: str, original: Callable[..., Any]) -> Callable[..., 
 
     changing_weights._cpu_offload_original = original  # type: ignore[attr-defined]
     return changing_weights
+
+
+def watch_model(model: Any) -> None:
+    """Makes `model.load_weights` tell this process's tier first, on this instance
+    (a second call changes nothing)."""
+    load_weights = getattr(model, "load_weights", None)
+    if load_weights is None or hasattr(load_weights, "_cpu_offload_original"):
+        return
+
+    @functools.wraps(load_weights)
+    def loading_weights(*args: Any, **kwargs: Any) -> Any:
+        weights_changing("weights were loaded into the model at run time")
+        return load_weights(*args, **kwargs)
+
+    loading_weights._cpu_offload_original = load_weights  # type: ignore[attr-defined]
+    # object's setattr: nn.Module's would take a callable for nothing special either,
+    # but a model class may override __setattr__.
+    object.__setattr__(model, "load_weights", loading_weights)
+
+
+def install_model_watch() -> None:
+    """Every model vLLM's loader makes in this process from now on is watched."""
+    from vllm_cpu_offload.weight_reads import on_model_loaded
+
+    if watch_model not in on_model_loaded:
+        on_model_loaded.append(watch_model)
 
 
 def weights_changing(why: str) -> None:

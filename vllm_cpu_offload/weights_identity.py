@@ -1,5 +1,10 @@
-"""What identifies the weights an engine loaded, the same on every machine that holds
-the same checkpoint.
+"""What identifies a checkpoint's files, the same on every machine that holds the
+same checkpoint.
+
+An engine's weights are named by the files its loader read (`weight_reads.py`, which
+digests them with `file_digest.py` as here); this module names the files at a path:
+a LoRA adapter's (`lora_identity.py`), a tensorizer file, and `--model` where no load
+was observed in the process (halves built by hand: tests, the simulation).
 
 A local checkpoint (a directory's top-level files, or one file such as a GGUF) is
 identified exactly, by each file's name, size and the SHA-256 of its content: a

@@ -1,29 +1,29 @@
 """Where an engine's weights come from, and whether the tier can prove what they are.
 
-`weights_identity` names a checkpoint's files. That names the weights only where the
-loader reads those files: every loader and loader setting of vLLM 0.32 and 0.33 is
-sorted here, and a source the tier cannot prove gets no identity (the shared tier
-shares nothing and the file tier restores nothing: `kv_identity`), with the reason for
-the start-up line.
+The identity is made of the files the loader opened at start (`weight_reads`: every
+weight file vLLM's weight iterators were given while a model loaded, `--model`'s and
+every secondary source's, digested). That names the weights only where a loader reads
+its weights through those iterators: every loader of vLLM 0.32 and 0.33 is sorted
+here, and a source the tier cannot prove gets no identity (the shared tier shares
+nothing and the file tier restores nothing: `kv_identity`), with the reason for the
+start-up line.
 
-- auto, hf, safetensors, pt, npcache, fastsafetensors, instanttensor, mistral (a GGUF
-  file and bitsandbytes checkpoints load through these): the files at `--model`, local
-  or the hub snapshot vLLM resolved; named by the files' digests or the snapshot's
-  commit;
-- sharded_state, runai_streamer, runai_streamer_sharded: the files at `--model` where
-  it is a local path (named by their digests), an object store otherwise
-  (`model_weights`: unproven);
+- auto, hf, safetensors, pt, npcache, fastsafetensors, instanttensor, mistral,
+  runai_streamer, runai_streamer_sharded (a GGUF file and bitsandbytes checkpoints
+  load through these): the files the iterators read, named by their digests; a file
+  that is not local (an object store, a stream) makes the weights unproven;
+- sharded_state: named the same way (it opens local shards itself,
+  sharded_state_loader.py:260, so such a load reads nothing observed: unproven);
 - tensorizer: the file at `model_loader_extra_config.tensorizer_uri`, named by its
   digest where it is a local file, unproven otherwise;
 - dummy (random values), ipc_cache (another process's memory), modelexpress (a peer),
   and any loader a plugin registers: unproven.
 
-Also unprovable: a hub id resolved through ModelScope (`VLLM_USE_MODELSCOPE`): the
-Hugging Face cache may hold another repository of that name. `--revision` and
-`--code-revision` are part of vLLM's model config digest; a revision names the weights
-only where it is a commit (a branch or a tag moves).
-The operator may name weights the tier cannot prove (`weights_id`), and then the name
-is the identity.
+Halves built by hand in a process where no model loaded and no engine core said what
+was read (tests, the simulation) are named by the files at `--model` instead
+(`weights_identity`). `--revision` and `--code-revision` are part of vLLM's model
+config digest. The operator may name weights the tier cannot prove (`weights_id`),
+and then the name is the identity.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_cpu_offload.weight_reads import start_weights
 from vllm_cpu_offload.weights_identity import (
     checkpoint_digest,
     unreadable_file,
@@ -56,6 +57,8 @@ CHECKPOINT_LOADERS = frozenset(
 LOCAL_ONLY_LOADERS = frozenset(
     {"sharded_state", "runai_streamer", "runai_streamer_sharded"}
 )
+# The start-up line's fix where the loader's reads prove nothing.
+_UNPROVEN_FIX = "serve local checkpoint files"
 TENSORIZER = "tensorizer"
 
 
@@ -81,6 +84,18 @@ def loaded_weights(model_config: Any, load_config: Any) -> LoadedWeights:
             f"the weights --load-format {fmt} loads",
             "load a checkpoint at --model",
         )
+    observed = start_weights(str(model_config.model))
+    if observed is not None:
+        if observed.identity is None:
+            return LoadedWeights(None, f"the {observed.unproven}", _UNPROVEN_FIX)
+        return LoadedWeights(observed.identity)
+    return _predicted(model_config, load_config, fmt, source)
+
+
+def _predicted(
+    model_config: Any, load_config: Any, fmt: str, source: str
+) -> LoadedWeights:
+    """The identity of the files at `--model`, where no load was observed."""
     local = Path(source).exists()
     if fmt in LOCAL_ONLY_LOADERS and not local:
         return LoadedWeights(

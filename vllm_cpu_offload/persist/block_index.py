@@ -104,6 +104,8 @@ class BlockIndex:
         self._stamp = 0
         self._file = TierFile(path, Path(path) / "index.bin", Path(path) / "tier.json")
         self._map: mmap.mmap | None = None
+        # Could not be made private (`make_private`): records nothing more.
+        self.unusable = False
 
     def open(self) -> list[IndexedBlock]:
         """Locks and validates the index; returns the blocks it holds, oldest first, or
@@ -188,6 +190,8 @@ class BlockIndex:
     def record(self, entries: Sequence[tuple[int, Any, Any]]) -> None:
         """Records (host id, key, parent key) of blocks whose bytes are complete, in
         chain order (a parent before its children). O(1) per block."""
+        if self.unusable:
+            return
         mapping = self._map
         assert mapping is not None, "open() first"
         for host_id, key, parent in entries:
@@ -201,6 +205,8 @@ class BlockIndex:
     def clear(self, host_id: int) -> None:
         """Forgets a host block before it can be reused. O(1)."""
         mapping = self._map
+        if mapping is None and self.unusable:
+            return  # the index is gone: nothing of it is restored
         assert mapping is not None, "open() first"
         offset = host_id * RECORD_BYTES
         mapping[offset : offset + len(_CLEARED)] = _CLEARED
@@ -209,7 +215,9 @@ class BlockIndex:
         """From now on the tier describes blocks of this start only (`why`: the
         weights may have changed at run time): its fingerprint names this start, so
         the next start finds it written by a different configuration and restores
-        nothing. Records written before stay valid for this start's pool."""
+        nothing. Records written before stay valid for this start's pool. Where the
+        metadata cannot be written (ENOSPC, EIO) the tier becomes unusable
+        (`_drop_records`) and the OSError is raised for the caller to log."""
         if str(self.fingerprint.get("weights", "")).startswith(PRIVATE_WEIGHTS):
             return
         self.fingerprint = {
@@ -217,7 +225,29 @@ class BlockIndex:
             "weights": f"{PRIVATE_WEIGHTS} ({why}; start {secrets.token_hex(4)})",
         }
         self._file.meta = {**self._file.meta, "fingerprint": self.fingerprint}
-        self._file.write_meta("open")
+        try:
+            self._file.write_meta("open")
+        except OSError:
+            self._drop_records()
+            raise
+
+    def _drop_records(self) -> None:
+        """The tier could not be made private: nothing more is recorded and, where
+        the file system lets the index be emptied, nothing of it is restored (the
+        next start finds it truncated). Emptied without writing a byte: a full file
+        system refuses writes, not a truncation. Records left (the truncation failed
+        too) are of blocks stored before the change, kept valid by `clear`."""
+        self.unusable = True
+        fd = self._file.fd
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            return
+        if self._map is not None:
+            self._map.close()  # past the file's end now: never touched again
+        self._map = self._file.mapping = None
 
     def close(self) -> None:
         """Flushes the index, marks the tier closed and releases the lock."""

@@ -34,6 +34,7 @@ once the load is reported): a second request that arrives meanwhile loads its ow
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -63,6 +64,8 @@ from vllm_cpu_offload.scheduler.tier_seams import (
     no_hints,
 )
 from vllm_cpu_offload.scheduler.tier_stats import TierStats
+
+logger = logging.getLogger("vllm.cpu_offload")
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -422,7 +425,12 @@ class HostTierScheduler(LoadPlanning):
         self.retention.release_all()
         self.pool.reset()
         for listener in self.on_identity_change:
-            listener(why)
+            try:
+                listener(why)
+            except Exception:  # noqa: BLE001 - the others must still hear of it
+                # A tier that failed to go private makes itself unusable (e.g.
+                # `BlockIndex.make_private`); the engine keeps serving.
+                logger.exception("CPU offload: a tier failed to hear %r", why)
 
     def take_pool_events(self) -> list[PoolEvent]:
         """The pool's events since the last call; counts evictions on the way."""
