@@ -151,7 +151,8 @@ def _host_tier_kept(monkeypatch: pytest.MonkeyPatch) -> None:
 def _loads_of_the_window_run(monkeypatch: pytest.MonkeyPatch) -> None:
     # As before a worker refused the loads planned before the scheduler half heard
     # of its weight change.
-    monkeypatch.setattr(HostTierWorker, "_planned_before_a_change", False)
+    monkeypatch.setattr(HostTierWorker, "_plan_is_current", True)
+    monkeypatch.setattr(HostTierWorker, "_current", lambda self, job_id: True)
 
 
 @pytest.mark.parametrize("blind", [_host_tier_kept, _loads_of_the_window_run])
