@@ -163,9 +163,9 @@ def test_loads_planned_before_the_scheduler_heard_of_a_weight_change_are_refused
     assert worker.take_load_errors() == {1}
     report = worker.take_report()
     assert report is not None and dict(report.failed) == {2: 1}
-    assert report.weights_changes == 1
+    assert report.epochs == {worker.token: 1}
     heard = OffloadStepMetadata(
-        loads=[BlockTransfer(3, [1], [2], "b")], weights_changes_heard=1
+        loads=[BlockTransfer(3, [1], [2], "b")], epochs_heard={worker.token: 1}
     )
     _step(worker, heard)
     assert all(torch.equal(t[1], t[5]) for t in caches.values())
@@ -213,7 +213,7 @@ def test_an_async_load_whose_copy_runs_when_the_weights_change_is_refused() -> N
     assert not report.finished.get(2)
     # Planned once the scheduler half heard of the change, the same load is taken.
     heard = OffloadStepMetadata(
-        async_loads=[_host_only_async_load(3, 1, 2)], weights_changes_heard=1
+        async_loads=[_host_only_async_load(3, 1, 2)], epochs_heard={worker.token: 1}
     )
     _step(worker, heard)
     report = worker.take_report()

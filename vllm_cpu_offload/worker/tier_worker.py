@@ -10,6 +10,7 @@ their device blocks are freed only after the copies read them.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -110,7 +111,9 @@ class HostTierWorker:
         # The epoch of what this worker computes with: one more at each change of
         # its weights. A load's result is taken only if the epoch when it is used
         # equals the one its step was planned under (the scheduler half's count of
-        # the changes, heard from the reports); else vLLM recomputes it.
+        # this worker's changes, heard from its reports by `token`); else vLLM
+        # recomputes it.
+        self.token = secrets.token_hex(8)
         self._epoch = 0
         self._plan_epoch = 0  # the current step's
         self._async_epochs: dict[int, int] = {}  # async load in flight -> its plan's
@@ -153,7 +156,7 @@ class HostTierWorker:
             self.engine.begin_step()
         self._awaiting_free.update(metadata.delayed_free_req_ids)
         self._idle_step = metadata.idle
-        self._plan_epoch = metadata.weights_changes_heard
+        self._plan_epoch = metadata.epochs_heard.get(self.token, 0)
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
@@ -349,7 +352,7 @@ class HostTierWorker:
 
     def _next_epoch(self) -> None:
         self._epoch += 1
-        self._report.weights_changes = self._epoch
+        self._report.epochs[self.token] = self._epoch
 
     @property
     def _plan_is_current(self) -> bool:
