@@ -109,10 +109,10 @@ class HostTierWorker:
         self.faults: TransferFaults | None = None
         self._idle_step = False
         # The epoch of what this worker computes with: one more at each change of
-        # its weights. A load's result is taken only if the epoch when it is used
-        # equals the one its step was planned under (the scheduler half's count of
-        # this worker's changes, heard from its reports by `token`); else vLLM
-        # recomputes it.
+        # its weights or of an adapter's. A load's result is taken only if the
+        # epoch when it is used equals the one its step was planned under (the
+        # scheduler half's count of this worker's changes, heard from its reports
+        # by `token`); else vLLM recomputes it.
         self.token = secrets.token_hex(8)
         self._epoch = 0
         self._plan_epoch = 0  # the current step's
@@ -291,7 +291,7 @@ class HostTierWorker:
         stale = {j for j in finished.loads if not self._current(j)}
         if stale:
             # Async loads that ran while the epoch changed: their KV is of the
-            # weights before. They fail as a copy that failed.
+            # weights or adapter before. They fail as a copy that failed.
             finished.loads -= stale
             finished.failed |= stale
         for job_id in finished.broken:
@@ -348,6 +348,13 @@ class HostTierWorker:
         blocks and stops sharing and keeping the tier's files (`runtime_weights.py`)."""
         self.shared.seal()
         self._report.weights_changed = self._report.weights_changed or why
+        self._next_epoch()
+
+    def adapter_changed(self) -> None:
+        """A LoRA adapter this worker computes with was loaded again with other
+        weights (`adapter_reloads.py`): no load planned or started before takes
+        effect. The tiers keep their blocks: the scheduler half keys an adapter's
+        blocks by its files (`lora_identity.py`)."""
         self._next_epoch()
 
     def _next_epoch(self) -> None:
