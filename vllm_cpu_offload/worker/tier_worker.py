@@ -288,7 +288,7 @@ class HostTierWorker:
         return failed
 
     def _collect(self, finished: FinishedJobs) -> None:
-        stale = {j for j in finished.loads if not self._current(j)}
+        stale = self._stale_loads(finished.loads)
         if stale:
             # Async loads that ran while the epoch changed: their KV is of the
             # weights or adapter before. They fail as a copy that failed.
@@ -366,6 +366,10 @@ class HostTierWorker:
         """Whether the current step was planned under this worker's epoch (after
         the scheduler half heard of its last change)."""
         return self._plan_epoch == self._epoch
+
+    def _stale_loads(self, loads: set[int]) -> set[int]:
+        """The async loads among `loads` planned under an epoch that has passed."""
+        return {j for j in loads if not self._current(j)}
 
     def _current(self, job_id: int) -> bool:
         """Whether an async load's result would be of the epoch its step was
