@@ -54,6 +54,7 @@ LAYERS: tuple[str, ...] = (
     "vllm_cpu_offload.persist.layer",
     "vllm_cpu_offload.remote.layer",
     "vllm_cpu_offload.runtime_weights",
+    "vllm_cpu_offload.adapter_reloads",
 )
 
 

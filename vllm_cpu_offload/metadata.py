@@ -40,10 +40,11 @@ class OffloadStepMetadata(KVConnectorMetadata):
     writes: list[RemoteBlocks] = field(default_factory=list)
     # No request computes this step: a worker may wait (bounded) for its fetches.
     idle: bool = False
-    # How many weight changes the scheduler had heard of when it planned this step: a
-    # worker whose weights changed since refuses the step's loads, which read KV of
-    # weights it no longer has (`runtime_weights.py`).
-    weights_changes_heard: int = 0
+    # Each worker's epoch (by its token) as the scheduler had heard of it when it
+    # planned this step (`OffloadWorkerReport.epochs`; a worker not in it: 0): a
+    # worker whose epoch moved on since refuses the step's loads, which read KV of
+    # weights it no longer has (`HostTierWorker._plan_is_current`).
+    epochs_heard: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,12 +66,14 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
     # and for each block whether the store holds it (an AND over workers).
     written: Counter[int] = field(default_factory=Counter)
     write_stored: dict[int, list[bool]] = field(default_factory=dict)
-    # Why a worker's weights may no longer be those its start loaded (a weight
-    # update or reload ran on it); None while they are (`runtime_weights.py`).
+    # Why a worker's weights changed since the last report (a weight update or
+    # reload ran on it; `runtime_weights.py`), any worker's; None where none did.
+    # Each worker's change is in the report that follows it, whichever step it
+    # came at, so every one is heard.
     weights_changed: str | None = None
-    # How many times the weights changed on the worker since its start (the most
-    # over workers).
-    weights_changes: int = 0
+    # The epoch of each worker whose epoch moved on since its last report, by the
+    # worker's token (one per worker half, so a restarted worker counts anew).
+    epochs: dict[str, int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -80,6 +83,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
             or self.fetched
             or self.written
             or self.weights_changed
+            or self.epochs
         )
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerReport:
@@ -92,7 +96,7 @@ class OffloadWorkerReport(KVConnectorWorkerMetadata):
             self.written + other.written,
             all_of(self.write_stored, other.write_stored),
             self.weights_changed or other.weights_changed,
-            max(self.weights_changes, other.weights_changes),
+            self.epochs | other.epochs,
         )
 
 

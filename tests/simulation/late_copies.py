@@ -61,6 +61,7 @@ class _FaultyCopier:
 class _Late:
     due: int
     run: Callable[[], None]
+    is_load: bool = False
 
 
 class LateCopies:
@@ -102,6 +103,11 @@ class LateCopies:
     def num_late(self) -> int:
         return len(self._late)
 
+    @property
+    def num_late_loads(self) -> int:
+        """Background loads started (as a CUDA launch queues them) and not yet run."""
+        return sum(late.is_load for late in self._late)
+
     def advance(self, tick: int) -> None:
         self.tick = tick
         due = [late for late in self._late if late.due <= tick]
@@ -131,7 +137,7 @@ class LateCopies:
     def _deferred_background(self, jobs: Sequence[BlockTransfer]) -> None:
         jobs = list(jobs)
         self._late.append(
-            _Late(self._delay(), lambda: self._start_background_loads(jobs))
+            _Late(self._delay(), lambda: self._start_background_loads(jobs), True)
         )
 
     def _poll(self) -> FinishedJobs:

@@ -18,9 +18,15 @@ runtime kinds): at a seeded step mid-run, on one seeded engine (A, A2 or B),
   hashed before it and still in flight: other values at every position computed after
   it, under their old hashes).
 
+On half of the seeds whose change comes without a reset (`reload`, `in-place`), the
+change waits until a load of its engine runs across steps (started, its copy still
+to run, as CUDA's background stream runs it: `late_copies.py`) and lands in that
+window: the load must end refused, and its request recompute what it would have read.
+
 What stays allowed after the change, as vLLM's own prefix cache allows it (`Stale`):
 reads of what vLLM's prefix cache of the engine held then, or of what a request still
-in flight had computed, may hold the values of before. Nothing else may: a block of
+in flight had computed (not what a load of the tier was still bringing it), may hold
+the values of before. Nothing else may: a block of
 the engine's host tier, of the store, or of another engine, computed with the old
 weights or files, read after the change, is a wrong value; and a block the changed
 engine writes
@@ -41,7 +47,7 @@ from unittest import mock
 
 import torch
 
-from vllm_cpu_offload import runtime_weights
+from vllm_cpu_offload import adapter_reloads, runtime_weights
 
 if TYPE_CHECKING:
     from tests.simulation.world import Engine
@@ -52,6 +58,8 @@ WEIGHTS_MIX = 0x0F1E2D
 ADAPTER_MIX = 0x2D1E0F
 # The oracle's adapter of the files rewritten in place.
 ADAPTER_RELOADED = 3
+# How many steps past its own an `in_flight` event waits for a load in flight.
+IN_FLIGHT_WAIT = 20
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,9 @@ class RuntimeEvent:
     engine: str
     step: int
     mode: str  # weights: "reset", "prefix-reset" or "reload"; adapter: "in-place"
+    # It waits (up to `IN_FLIGHT_WAIT` steps) until a load of its engine runs
+    # across steps (started, its copy not run yet), and lands in that window.
+    in_flight: bool = False
 
 
 def event_of(kind: str, seed: int, steps: int) -> RuntimeEvent | None:
@@ -75,7 +86,9 @@ def event_of(kind: str, seed: int, steps: int) -> RuntimeEvent | None:
     step = rng.randrange(max(1, steps // 4), max(2, steps // 2 + 1))
     if mode == "reload" and rng.random() < 0.5:  # drawn last: the rest draw as before
         mode = "prefix-reset"
-    return RuntimeEvent(kind, engine, step, mode)
+    # Drawn after those: the earlier draws stay what they were.
+    in_flight = mode in ("reload", "in-place") and rng.random() < 0.5
+    return RuntimeEvent(kind, engine, step, mode, in_flight)
 
 
 @dataclass
@@ -105,6 +118,13 @@ class Stale:
         requests: frozenset[str] | None = None,
     ) -> Stale:
         computed = computed_tokens(engine)
+        # A request waiting for a load that spans steps has the load's tokens
+        # counted as computed (vLLM sets them ahead: scheduler.py:1324-1326), but
+        # the tier loads them: a load that ends after the change must be refused.
+        # Only its device hits (in vLLM's prefix cache) may hold values of before.
+        for rank in engine.ranks:
+            for req_id in rank.connector.worker._async_req.values():
+                computed[req_id] = 0
         stale = cls(mix, set(held_hashes(engine)), computed, requests)
         for req_id, tokens in computed.items():
             if tokens and (requests is None or req_id in requests):
@@ -209,6 +229,16 @@ def tell_workers(engine: Engine) -> None:
         this_process = [weakref.WeakMethod(rank.connector.worker.weights_changed)]
         with mock.patch.object(runtime_weights, "_workers", this_process):
             Worker.reload_weights(worker)  # type: ignore[arg-type]
+
+
+def tell_workers_of_the_adapter(engine: Engine) -> None:
+    """Each rank's worker has loaded the rewritten adapter: the product's hook on
+    vLLM's worker LoRA manager tells the rank's worker half
+    (`adapter_reloads.py`; the hook's comparison is `test_adapter_reloads.py`'s)."""
+    for rank in engine.ranks:
+        this_process = [weakref.WeakMethod(rank.connector.worker.adapter_changed)]
+        with mock.patch.object(adapter_reloads, "_workers", this_process):
+            adapter_reloads.adapter_changed()
 
 
 def rewrite_in_place(weights: Path) -> None:

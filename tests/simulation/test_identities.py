@@ -151,7 +151,8 @@ def _host_tier_kept(monkeypatch: pytest.MonkeyPatch) -> None:
 def _loads_of_the_window_run(monkeypatch: pytest.MonkeyPatch) -> None:
     # As before a worker refused the loads planned before the scheduler half heard
     # of its weight change.
-    monkeypatch.setattr(HostTierWorker, "_planned_before_a_change", False)
+    monkeypatch.setattr(HostTierWorker, "_plan_is_current", True)
+    monkeypatch.setattr(HostTierWorker, "_current", lambda self, job_id: True)
 
 
 @pytest.mark.parametrize("blind", [_host_tier_kept, _loads_of_the_window_run])
@@ -183,3 +184,30 @@ def test_the_product_keeps_a_runtime_change_apart(
     world.run()
     changed = [e.name for e in world.engines if e.change.fired_at is not None]
     assert changed == [world.event.engine if world.event else None]
+
+
+def _loads_checked_where_their_copy_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As before a load's epoch was checked where it ends: an async load whose copy
+    # had started when the weights or the adapter changed was taken.
+    monkeypatch.setattr(HostTierWorker, "_stale_loads", lambda self, loads: set())
+
+
+# Seeds whose change lands while a load of its engine runs across steps (started,
+# its copy still to run): 12, A's weights reloaded.
+IN_FLIGHT_SEEDS = [("weights-updated", 12)]
+
+
+@pytest.mark.parametrize(("kind", "seed"), IN_FLIGHT_SEEDS)
+def test_a_load_whose_copy_runs_across_a_change_is_caught(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch, kind: str, seed: int
+) -> None:
+    # The load's copy runs late, as CUDA's background stream runs it; the change
+    # lands before it ends. A worker that takes its result reads the values of
+    # before where the request now computes other ones.
+    utils: Any = vllm_test_utils()
+    _loads_checked_where_their_copy_starts(monkeypatch)
+    world = World(utils, tiny_model, seed, tp=1, steps=RUNTIME_STEPS)
+    assert world.event is not None and world.event.kind == kind
+    assert world.event.in_flight
+    with pytest.raises(Violation, match="wrong KV"):
+        world.run()

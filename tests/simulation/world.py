@@ -73,6 +73,7 @@ from tests.simulation.replicated import replicated_kv
 from tests.simulation.runtime_events import (
     ADAPTER_MIX,
     ADAPTER_RELOADED,
+    IN_FLIGHT_WAIT,
     WEIGHTS_MIX,
     EngineChange,
     Stale,
@@ -80,6 +81,7 @@ from tests.simulation.runtime_events import (
     resettable,
     rewrite_in_place,
     tell_workers,
+    tell_workers_of_the_adapter,
 )
 from tests.simulation.store import BACKENDS, SimBackend, SimStore, StoreFaults
 from vllm_cpu_offload import lora_identity
@@ -633,6 +635,12 @@ class World:
             or self.step_no < event.step
         ):
             return
+        if (
+            event.in_flight
+            and self.step_no < event.step + IN_FLIGHT_WAIT
+            and not any(rank.copies.num_late_loads for rank in engine.ranks)
+        ):
+            return  # it lands while a load's copy is still to run
         if event.kind == "adapter-reloaded":
             self._reload_adapter(engine)
         elif not self._update_weights(engine, event.mode):
@@ -679,6 +687,7 @@ class World:
         change.mixed = mixed
         change.reloaded_adapter = True
         change.stale = Stale.at_change(engine, ADAPTER_MIX, BLOCK_SIZE, mixed)
+        tell_workers_of_the_adapter(engine)
 
     def _check_still_shared(self, engine: Engine) -> None:
         """An engine whose weights and files never changed still shares: its store

@@ -41,6 +41,7 @@ def test_the_layers_a_setting_asks_for_fill_their_seams(
         "vllm_cpu_offload.scheduler.hints_layer",
         "vllm_cpu_offload.persist.layer",
         "vllm_cpu_offload.runtime_weights",
+        "vllm_cpu_offload.adapter_reloads",
     ]
     scheduler = spec.build_scheduler()
     assert isinstance(scheduler.retention, Retention)

@@ -32,6 +32,7 @@ from vllm_cpu_offload.scheduler.policies.registry import (  # noqa: E402
     make_policy,
 )
 from vllm_cpu_offload.scheduler.tier_scheduler import HostTierScheduler  # noqa: E402
+from vllm_cpu_offload.worker.tier_worker import HostTierWorker  # noqa: E402
 
 BS = 4  # tokens per block
 init_none_hash(sha256)
@@ -550,17 +551,52 @@ def test_reset_cache_tells_the_layers_the_identity_may_change() -> None:
         OffloadWorkerReport(
             Counter([store.job_id]),
             weights_changed="reload_weights",
-            weights_changes=1,
+            epochs={"w0": 1},
         )
     )
     assert told[1:] == ["reload_weights", "False"]
     assert settled()
     # The report's store held KV of the weights before: no lookup finds it.
     assert engine.tier.pool.count_hits([(0, h) for h in a.block_hashes]) == 0
-    # Each step's metadata says how many changes the scheduler has heard of.
-    assert _prefill(engine, _request("b", list(range(20, 30)))).weights_changes_heard
-    # A change already heard of (another worker's report of it) changes nothing.
-    engine.tier.update_connector_output(
-        OffloadWorkerReport(weights_changed="reload_weights", weights_changes=1)
-    )
-    assert told[1:] == ["reload_weights", "False"]
+    # Each step's metadata says which epoch of each worker the scheduler heard of.
+    meta = _prefill(engine, _request("b", list(range(20, 30))))
+    assert meta.epochs_heard == {"w0": 1}
+
+
+def _reports(*workers: HostTierWorker) -> OffloadWorkerReport:
+    """The workers' reports of a step, joined as vLLM's aggregator joins them."""
+    joined = OffloadWorkerReport()
+    for worker in workers:
+        report = worker.take_report()
+        if report is not None:
+            joined = joined.aggregate(report)
+    return joined
+
+
+def test_each_workers_weight_change_is_heard_whichever_step_it_comes_at() -> None:
+    # TP 2: rank 0's weights change, then (a step later) rank 1's, and rank 1's
+    # worker, restarted, counts its changes from 0 again. The scheduler half hears
+    # every one: KV rank 1 stored in between, of its weights before, is dropped,
+    # and each step's metadata carries each worker's own epoch, which its loads
+    # are checked against.
+    engine = Engine(workers=2)
+    told: list[str] = []
+    engine.tier.on_identity_change.append(told.append)
+    ranks = [HostTierWorker(4, 4), HostTierWorker(4, 4)]
+    ranks[0].weights_changed("reload_weights")
+    engine.tier.update_connector_output(_reports(*ranks))
+    a = _request("a", list(range(10)))
+    store = _prefill(engine, a).stores[0]
+    engine.report(store.job_id, store.job_id)  # rank 1 stored its old weights' KV
+    ranks[1].weights_changed("reload_weights")
+    engine.tier.update_connector_output(_reports(*ranks))
+    assert len(told) == 2
+    assert engine.tier.pool.count_hits([(0, h) for h in a.block_hashes]) == 0
+    meta = _prefill(engine, _request("b", list(range(20, 30))))
+    assert meta.epochs_heard == {r.token: 1 for r in ranks}
+    ranks[1] = HostTierWorker(4, 4)
+    ranks[1].weights_changed("reload_weights")
+    engine.tier.update_connector_output(_reports(*ranks))
+    assert len(told) == 3
+    meta = _prefill(engine, _request("c", list(range(40, 50))))
+    assert meta.epochs_heard[ranks[1].token] == 1

@@ -9,6 +9,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from tests.fault_injection import FaultInjector  # noqa: E402
+from vllm_cpu_offload.block_transfer import AsyncLoad, RemoteBlocks  # noqa: E402
 from vllm_cpu_offload.metadata import BlockTransfer, OffloadStepMetadata  # noqa: E402
 from vllm_cpu_offload.testing.held_streams import (  # noqa: E402
     HeldStreams,
@@ -162,11 +163,61 @@ def test_loads_planned_before_the_scheduler_heard_of_a_weight_change_are_refused
     assert worker.take_load_errors() == {1}
     report = worker.take_report()
     assert report is not None and dict(report.failed) == {2: 1}
-    assert report.weights_changes == 1
+    assert report.epochs == {worker.token: 1}
     heard = OffloadStepMetadata(
-        loads=[BlockTransfer(3, [1], [2], "b")], weights_changes_heard=1
+        loads=[BlockTransfer(3, [1], [2], "b")], epochs_heard={worker.token: 1}
     )
     _step(worker, heard)
     assert all(torch.equal(t[1], t[5]) for t in caches.values())
     report = worker.take_report()
     assert report is not None and dict(report.finished) == {3: 1}
+
+
+def _streamed_worker() -> tuple[HostTierWorker, dict[str, torch.Tensor], HeldStreams]:
+    """A worker whose engine runs the CUDA stream path on held stand-ins."""
+    worker, caches = _worker()
+    assert worker.engine is not None
+    streams = HeldStreams()
+    copier = LaunchingCopier(
+        TorchBlockCopier(caches, worker.engine.host, threads=1), streams
+    )
+    worker.engine = TransferEngine(
+        caches, worker.engine.host, copier=copier, streams=streams
+    )
+    return worker, caches, streams
+
+
+def _host_only_async_load(job_id: int, device: int, host: int) -> AsyncLoad:
+    load = BlockTransfer(job_id, [device], [host], "b")
+    return AsyncLoad(load, RemoteBlocks(job_id, [], []), fetched_from=1)
+
+
+def test_an_async_load_whose_copy_runs_when_the_weights_change_is_refused() -> None:
+    # A host-only async load starts its copy on the background stream (held: the
+    # copy runs across steps, as on CUDA); the weights change before it ends. Its
+    # result is of the weights before: the job is reported failed, its device block
+    # recomputed, the request reported done so vLLM schedules the recompute.
+    worker, caches, streams = _streamed_worker()
+    assert worker.engine is not None
+    _step(worker, OffloadStepMetadata(stores=[BlockTransfer(1, [5], [2], "a")]))
+    background = worker.engine._background_stream
+    streams.hold(background)
+    _step(worker, OffloadStepMetadata(async_loads=[_host_only_async_load(2, 1, 2)]))
+    assert worker.get_finished() == (None, None)
+    worker.weights_changed("reload_weights")
+    streams.release(background)
+    assert worker.get_finished() == (None, {"b"})
+    assert worker.take_load_errors() == {1}
+    report = worker.take_report()
+    assert report is not None and dict(report.failed) == {2: 1}
+    assert not report.finished.get(2)
+    # Planned once the scheduler half heard of the change, the same load is taken.
+    heard = OffloadStepMetadata(
+        async_loads=[_host_only_async_load(3, 1, 2)], epochs_heard={worker.token: 1}
+    )
+    _step(worker, heard)
+    report = worker.take_report()
+    assert report is not None and dict(report.finished) == {3: 1}
+    assert worker.take_load_errors() == set()
+    assert all(torch.equal(t[1], t[5]) for t in caches.values())
+    assert streams.host_waits == []

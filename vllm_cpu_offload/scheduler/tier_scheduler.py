@@ -141,10 +141,10 @@ class HostTierScheduler(LoadPlanning):
         self.hashes_hold: Callable[[Request], bool] = _always
         # Told when the weights may have changed at run time (`identity_changed`).
         self.on_identity_change: list[Callable[[str], None]] = []
-        # The workers' weight changes heard of (`OffloadWorkerReport.weights_changes`):
-        # each step's metadata carries it, and a worker whose weights changed since
-        # refuses the step's loads (planned from KV of the weights before).
-        self._weights_changes_heard = 0
+        # Each worker's epoch heard of (`OffloadWorkerReport.epochs`): each step's
+        # metadata carries them, and a worker whose epoch moved on since refuses the
+        # step's loads (planned from KV of the weights or adapter before).
+        self._epochs_heard: dict[str, int] = {}
         # Host hits of at least this many tokens load across steps while other requests
         # run; 0: none. (With several groups every hit does: `get_num_new_matched_...`.)
         self.async_load_tokens = async_load_tokens if self._single_full_group else 0
@@ -178,7 +178,7 @@ class HostTierScheduler(LoadPlanning):
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
             async_loads=self._step_async_loads,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
-            weights_changes_heard=self._weights_changes_heard,
+            epochs_heard=dict(self._epochs_heard),
         )
         self._step_loads, self._awaiting_stores = [], {}
         self._step_async_loads = []
@@ -275,10 +275,10 @@ class HostTierScheduler(LoadPlanning):
         stores are in this report and the workers were not yet told to hold them.
         """
         if report is not None:
-            if report.weights_changes > self._weights_changes_heard:
+            self._epochs_heard |= report.epochs
+            if report.weights_changed:
                 # First: this report's stores may hold KV of the weights before.
-                self._weights_changes_heard = report.weights_changes
-                self.identity_changed(report.weights_changed or "weights changed")
+                self.identity_changed(report.weights_changed)
             for job_id, arrived in report.fetched.items():
                 self._fetch_ended(job_id, arrived, report.fetch_reports[job_id])
             for job_id, count in report.failed.items():

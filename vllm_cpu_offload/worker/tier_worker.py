@@ -10,6 +10,7 @@ their device blocks are freed only after the copies read them.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -107,13 +108,15 @@ class HostTierWorker:
         # A test's injector of transfer faults (`TransferFaults`); None in service.
         self.faults: TransferFaults | None = None
         self._idle_step = False
-        # Weight changes on this worker since its start, and how many of them the
-        # scheduler had heard of when it planned the current step: until it has heard
-        # of all, the loads it plans read KV of the weights before, and are refused
-        # (vLLM recomputes them). Async loads in flight at a change are refused too.
-        self._weights_changes = 0
-        self._changes_heard = 0
-        self._refused_loads: set[int] = set()
+        # The epoch of what this worker computes with: one more at each change of
+        # its weights or of an adapter's. A load's result is taken only if the
+        # epoch when it is used equals the one its step was planned under (the
+        # scheduler half's count of this worker's changes, heard from its reports
+        # by `token`); else vLLM recomputes it.
+        self.token = secrets.token_hex(8)
+        self._epoch = 0
+        self._plan_epoch = 0  # the current step's
+        self._async_epochs: dict[int, int] = {}  # async load in flight -> its plan's
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         host = HostBuffer.for_kv_caches(
@@ -153,7 +156,7 @@ class HostTierWorker:
             self.engine.begin_step()
         self._awaiting_free.update(metadata.delayed_free_req_ids)
         self._idle_step = metadata.idle
-        self._changes_heard = metadata.weights_changes_heard
+        self._plan_epoch = metadata.epochs_heard.get(self.token, 0)
         for transfer in metadata.stores:
             self._store_req[transfer.job_id] = transfer.req_id
             self._stores_in_flight[transfer.req_id] += 1
@@ -174,8 +177,7 @@ class HostTierWorker:
         the hit once they are in host memory. A hit in host memory alone loads now."""
         load = async_load.load
         self._async_req[load.job_id] = load.req_id
-        if self._planned_before_a_change:
-            self._refused_loads.add(load.job_id)
+        self._async_epochs[load.job_id] = self._plan_epoch
         if async_load.whole:
             self._whole_loads.add(load.job_id)
         self._apply(self.shared.fetch(async_load))
@@ -187,7 +189,12 @@ class HostTierWorker:
             return
         for t in metadata.loads:
             self._load_device_blocks[t.job_id] = t.device_block_ids
-        loads = self._to_run(metadata.loads, refused=self._planned_before_a_change)
+        # The step's forward reads these loads, and nothing changes the epoch
+        # between here and there (vLLM changes weights between steps, and loads
+        # adapters in `_prepare_inputs`, before `start_load_kv`:
+        # gpu_model_runner.py:4022, kv_connector_model_runner_mixin.py:85): their
+        # start is their last check.
+        loads = self._to_run(metadata.loads, refused=not self._plan_is_current)
         start = time.perf_counter()
         self._engine().start_loads(loads)
         self._load_seconds += time.perf_counter() - start
@@ -266,7 +273,9 @@ class HostTierWorker:
         if len(load.device_block_ids) == 0:
             self._collect(FinishedJobs(loads={job_id}))
             return
-        loads = self._to_run([load], refused=job_id in self._refused_loads)
+        # Its result is checked again where it ends (`_collect`); a load already
+        # stale is not copied at all.
+        loads = self._to_run([load], refused=not self._current(job_id))
         start = time.perf_counter()
         # No step waits for it: vLLM schedules the request once it is reported.
         self._engine().start_background_loads(loads)
@@ -279,6 +288,12 @@ class HostTierWorker:
         return failed
 
     def _collect(self, finished: FinishedJobs) -> None:
+        stale = self._stale_loads(finished.loads)
+        if stale:
+            # Async loads that ran while the epoch changed: their KV is of the
+            # weights or adapter before. They fail as a copy that failed.
+            finished.loads -= stale
+            finished.failed |= stale
         for job_id in finished.broken:
             # A load of this step that will fail: the step's compute must not trust
             # its blocks. It is reported failed (and its blocks released) once the
@@ -303,7 +318,7 @@ class HostTierWorker:
 
     def _job_done(self, job_id: int, *, stored: bool) -> None:
         self._whole_loads.discard(job_id)
-        self._refused_loads.discard(job_id)
+        self._async_epochs.pop(job_id, None)
         unloaded = self._async_unloaded.pop(job_id, None)
         if unloaded is not None:
             # An async load: vLLM recomputes what it did not fill, and may schedule
@@ -332,16 +347,34 @@ class HostTierWorker:
         of it runs, and the next report tells that half, which drops the host tier's
         blocks and stops sharing and keeping the tier's files (`runtime_weights.py`)."""
         self.shared.seal()
-        self._weights_changes += 1
-        self._refused_loads.update(self._async_req)
         self._report.weights_changed = self._report.weights_changed or why
-        self._report.weights_changes = self._weights_changes
+        self._next_epoch()
+
+    def adapter_changed(self) -> None:
+        """A LoRA adapter this worker computes with was loaded again with other
+        weights (`adapter_reloads.py`): no load planned or started before takes
+        effect. The tiers keep their blocks: the scheduler half keys an adapter's
+        blocks by its files (`lora_identity.py`)."""
+        self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self._epoch += 1
+        self._report.epochs[self.token] = self._epoch
 
     @property
-    def _planned_before_a_change(self) -> bool:
-        """Whether the current step's plan predates a change of this worker's
-        weights (its loads read KV of the weights before)."""
-        return self._changes_heard < self._weights_changes
+    def _plan_is_current(self) -> bool:
+        """Whether the current step was planned under this worker's epoch (after
+        the scheduler half heard of its last change)."""
+        return self._plan_epoch == self._epoch
+
+    def _stale_loads(self, loads: set[int]) -> set[int]:
+        """The async loads among `loads` planned under an epoch that has passed."""
+        return {j for j in loads if not self._current(j)}
+
+    def _current(self, job_id: int) -> bool:
+        """Whether an async load's result would be of the epoch its step was
+        planned under (True for other jobs)."""
+        return self._async_epochs.get(job_id, self._epoch) == self._epoch
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
