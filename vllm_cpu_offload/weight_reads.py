@@ -237,7 +237,9 @@ def engine_start_weights(each_rank: list[StartWeights | None]) -> StartWeights:
             return StartWeights(None, f"weights rank {rank} loaded unobserved")
         if weights.identity is None:
             return weights
-    identities = sorted({w.identity for w in each_rank if w is not None} - {None})
+    identities = sorted(
+        {w.identity for w in each_rank if w is not None and w.identity is not None}
+    )
     if len(identities) == 1:
         return StartWeights(identities[0])
     joined = "\n".join(str(i) for i in identities).encode()
