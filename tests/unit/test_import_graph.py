@@ -178,6 +178,7 @@ CORE = {
         "scheduler.policies.lru",
         "scheduler.policies.registry",
         "scheduler.pool_events",
+        "scheduler.pool_invariants",  # the pool's own check, split out for length
         "scheduler.request_state",
         "scheduler.stored_blocks",
         "scheduler.tier_scheduler",
