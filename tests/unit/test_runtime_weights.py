@@ -138,6 +138,7 @@ def test_finishing_a_weight_transfer_session_is_a_change(hooked: None) -> None:
         _weight_update_active=True,
         _weight_update_is_draft=True,
         _check_weight_transfer_engine=lambda: None,
+        get_draft_model=lambda: None,  # vLLM 0.33 asks for a draft session
     )
     Worker.finish_weight_update(cast(Worker, worker))
     report = tier.take_report()
