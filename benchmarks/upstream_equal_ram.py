@@ -8,8 +8,9 @@ each repetition reads a fresh set of documents once (cold), then again
 tier: an engine reads the documents, exits, and a new engine re-reads them.
 
     OVERLAY="$(bash scripts/patched_vllm033.sh upstream .cache/patched-vllm033)"
-    PYTHONPATH="$OVERLAY" VLLM_TARGET_DEVICE=cpu VLLM_PLUGINS= VLLM_CPU_KVCACHE_SPACE=1 \
-        HF_HUB_OFFLINE=1 .venv-vllm033/bin/python benchmarks/upstream_equal_ram.py 3
+    PYTHONPATH="$OVERLAY" VLLM_TARGET_DEVICE=cpu VLLM_PLUGINS= \
+        VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \
+        .venv-vllm033/bin/python benchmarks/upstream_equal_ram.py 3
 
 Its figures are in upstream/RFC.md ("The equal-RAM question").
 """
