@@ -81,14 +81,17 @@ def install_weight_hooks() -> None:
         original = getattr(Worker, name, None)
         if original is None or hasattr(original, "_cpu_offload_original"):
             continue
-        setattr(Worker, name, _telling_the_tier(name, original))
+        why = f"vLLM's {name} changed the weights at run time"
+        setattr(Worker, name, _telling_the_tier(why, original))
 
 
-def _telling_the_tier(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def _telling_the_tier(why: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original` (a function or a bound method), telling the tier `why` first."""
+
     @functools.wraps(original)
-    def changing_weights(self: Any, *args: Any, **kwargs: Any) -> Any:
-        weights_changing(f"vLLM's {name} changed the weights at run time")
-        return original(self, *args, **kwargs)
+    def changing_weights(*args: Any, **kwargs: Any) -> Any:
+        weights_changing(why)
+        return original(*args, **kwargs)
 
     changing_weights._cpu_offload_original = original  # type: ignore[attr-defined]
     return changing_weights
@@ -101,12 +104,9 @@ def watch_model(model: Any) -> None:
     if load_weights is None or hasattr(load_weights, "_cpu_offload_original"):
         return
 
-    @functools.wraps(load_weights)
-    def loading_weights(*args: Any, **kwargs: Any) -> Any:
-        weights_changing("weights were loaded into the model at run time")
-        return load_weights(*args, **kwargs)
-
-    loading_weights._cpu_offload_original = load_weights  # type: ignore[attr-defined]
+    loading_weights = _telling_the_tier(
+        "weights were loaded into the model at run time", load_weights
+    )
     # object's setattr: nn.Module's would take a callable for nothing special either,
     # but a model class may override __setattr__.
     object.__setattr__(model, "load_weights", loading_weights)
