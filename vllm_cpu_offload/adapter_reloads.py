@@ -30,6 +30,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_cpu_offload.layers import TierLayer
+from vllm_cpu_offload.runtime_weights import tell_each
 
 if TYPE_CHECKING:
     from vllm_cpu_offload.worker.tier_worker import HostTierWorker
@@ -76,12 +77,7 @@ def _comparing(original: Callable[..., bool]) -> Callable[..., bool]:
 
 def adapter_changed() -> None:
     """Tells every worker half of this process that an adapter's weights changed."""
-    for ref in list(_workers):
-        told = ref()
-        if told is None:
-            _workers.remove(ref)
-        else:
-            told()
+    tell_each(_workers)
 
 
 def _same(a: Any, b: Any, depth: int = 0) -> bool:

@@ -122,12 +122,17 @@ def install_model_watch() -> None:
 
 def weights_changing(why: str) -> None:
     """Tells every worker half of this process that its weights change now."""
-    for ref in list(_workers):
+    tell_each(_workers, why)
+
+
+def tell_each(listeners: list[weakref.WeakMethod[Any]], *args: Any) -> None:
+    """Calls every live listener with `args`; drops those whose worker is gone."""
+    for ref in list(listeners):
         told = ref()
         if told is None:
-            _workers.remove(ref)
+            listeners.remove(ref)
         else:
-            told(why)
+            told(*args)
 
 
 class RuntimeWeightsLayer(TierLayer):
