@@ -78,6 +78,10 @@ class _Reads:
     files: dict[str, os.stat_result] = field(default_factory=dict)
     unproven: str = ""
     models: set[str] = field(default_factory=set)
+    # Which iterator call (1, 2, ...) first gave each file: the identity orders the
+    # files by source and content, never by where a machine keeps them.
+    source_of: dict[str, int] = field(default_factory=dict)
+    calls: int = 0
 
 
 # Open while a model loads in this process (`_observed_load`).
@@ -140,6 +144,7 @@ def record_reads(files: Iterable[object]) -> None:
     reads = _window
     if reads is None:
         return  # a reload at run time: `runtime_weights` hears of it
+    reads.calls += 1
     for f in files:
         path = os.path.abspath(os.fspath(str(f)))
         try:
@@ -150,6 +155,7 @@ def record_reads(files: Iterable[object]) -> None:
             reads.unproven = reads.unproven or f"{f} (not a local file)"
         else:
             reads.files[path] = st
+            reads.source_of.setdefault(path, reads.calls)
 
 
 def _observing(get_model_loader: Callable[..., Any]) -> Callable[..., Any]:
@@ -184,7 +190,14 @@ def _observed_load(load_model: Callable[..., Any], *args: Any, **kwargs: Any) ->
 
 
 def _merged(a: _Reads, b: _Reads) -> _Reads:
-    return _Reads({**a.files, **b.files}, a.unproven or b.unproven, a.models | b.models)
+    later = {p: a.calls + n for p, n in b.source_of.items()}
+    return _Reads(
+        {**a.files, **b.files},
+        a.unproven or b.unproven,
+        a.models | b.models,
+        {**later, **a.source_of},
+        a.calls + b.calls,
+    )
 
 
 def process_start_weights() -> StartWeights | None:
@@ -198,19 +211,22 @@ def process_start_weights() -> StartWeights | None:
         return StartWeights(None, f"weights read from {reads.unproven}", models)
     if not reads.files:
         return StartWeights(None, "weights read from no checkpoint file", models)
-    paths = sorted(reads.files, key=lambda p: (Path(p).name, p))
+    paths = list(reads.files)
     try:
         digests = file_digests([Path(p) for p in paths])
         now = [os.stat(p) for p in paths]
     except OSError as err:
         why = f"weights in {err.filename} ({err.strerror or err})"
         return StartWeights(None, why, models)
-    h = hashlib.sha256()
+    entries = []
     for path, digest, st in zip(paths, digests, now, strict=True):
         if _version(st) != _version(reads.files[path]):
             why = f"weights in {path} (changed since loaded)"
             return StartWeights(None, why, models)
-        h.update(f"{Path(path).name}\0{st.st_size}\0{digest}\n".encode())
+        source = reads.source_of.get(path, 0)
+        entries.append(f"{source}\0{Path(path).name}\0{st.st_size}\0{digest}\n")
+    # Sorted: a folder lists its files in an order of its own (ext4 hashes names).
+    h = hashlib.sha256("".join(sorted(entries)).encode())
     return StartWeights("read:" + h.hexdigest()[:32], models=models)
 
 
