@@ -18,17 +18,18 @@ and `arc`). Each drives the plugin's policy over vLLM's chunks through
 is).
 
 What vLLM's interface lacks, and what is lost without it:
-- A key's parent. The adapter learns it from the request a call serves: the keys of
-  one KV cache group, ordered by `ReqContext.get_offload_key_position`, are a chain.
-  vLLM 0.33 shows every key a request reads or offers (`on_request_access`) before it
-  inserts any, so a chain is linked at insert. vLLM 0.32 shows a request only with its
-  store misses (`on_store_miss`, just before the inserts) and when it finishes: a new
-  block is linked at insert to a parent the same request stores, but to a parent it
-  loaded or found already stored only when the request finishes; until then
-  prefix_aware may evict that parent first, as LRU would. A chain whose parent no
-  request showed counts as a root, not an orphan. The hook upstream would add: the
-  parent's key (held or not) as an argument of `CachePolicy.insert`, or
-  `ReqContext.get_offload_key_at(group, position)`.
+- Nothing on vLLM 0.33 for a key's parent: the adapter learns it from the request a
+  call serves. The keys of one KV cache group, ordered by their end token
+  (`ReqContext.get_offload_key_position`, v1/kv_offload/base.py:117), are a chain, and
+  the manager shows every key a request reads or offers (`on_request_access`,
+  cpu/manager.py:183; cpu/policies/base.py:96: "maintain prefix order during a
+  request") before it inserts any, so a chain is linked at insert. vLLM 0.32 lacks
+  that hook: it shows a request only with its store misses (`on_store_miss`, 0.32's
+  cpu/manager.py:290, just before the inserts) and when it finishes, so a new block is
+  linked at insert to a parent the same request stores, but to a parent it loaded or
+  found already stored only when the request finishes; until then prefix_aware may
+  evict that parent first, as LRU would. A chain whose parent no request showed counts
+  as a root, not an orphan.
 - Admission per key. `prefix_aware` refuses first-sight keys while it guards and lets
   one key in `keep_every` in while it keeps; `arc`, `lirs` and `s3fifo` refuse a key in
   a corner case. vLLM 0.33.0's manager admits by `store_threshold` alone

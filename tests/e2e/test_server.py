@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +24,10 @@ pytestmark = pytest.mark.e2e
 # 49 host blocks of the tiny model in fp32 (128 KiB each): the first prompts fit,
 # later ones evict.
 HOST_GIB = 0.006
+# Bounds against a hang, never expected to pass: each wait ends when what it waits
+# for has arrived.
+EVENTS_BOUND_S = 300.0
+METRICS_BOUND_S = 300.0
 
 
 class EventListener:
@@ -40,15 +44,21 @@ class EventListener:
         self._socket.bind(endpoint)
         self.events: list = []
 
-    def drain(self, seconds: float) -> list:
+    def drain_until(
+        self, holds: Callable[[list], bool], seconds: float = EVENTS_BOUND_S
+    ) -> list:
+        """Every event received so far, once `holds(events)` or `seconds` passed.
+
+        The engine publishes from a thread of its own, later on a busy machine: the
+        wait is for what the test needs, bounded only against a hang."""
         import msgspec
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if self._socket.poll(int(left * 1000), zmq.POLLIN):
+        while not holds(self.events) and (left := deadline - time.monotonic()) > 0:
+            if self._socket.poll(int(min(left, 1.0) * 1000), zmq.POLLIN):
                 _, _, payload = self._socket.recv_multipart()
                 self.events.extend(decoder.decode(payload).events)
         return self.events
@@ -110,8 +120,13 @@ def test_server_answers_completion_and_reuses_host_blocks(
     from vllm_cpu_offload.testing.tiny_model import random_words
 
     listener = EventListener(f"tcp://127.0.0.1:{events_port}")
-    listener.drain(1.0)  # ZMQ subscriptions take a moment to reach the publisher
     rng = random.Random(7)
+    # A ZMQ subscription takes a moment to reach the publisher, and what is published
+    # before is lost: one-block prompts until one's events arrive.
+    subscribed = time.monotonic() + EVENTS_BOUND_S
+    while not listener.drain_until(bool, 2.0):
+        assert time.monotonic() < subscribed, "no KV event ever arrived"
+        _complete(server, tiny_model, random_words(rng, BLOCK_SIZE + 3), max_tokens=1)
     first_prompt = random_words(rng, 6 * BLOCK_SIZE + 3)
     first = _complete(server, tiny_model, first_prompt)
     assert first["choices"][0]["text"].strip()
@@ -123,7 +138,7 @@ def test_server_answers_completion_and_reuses_host_blocks(
     assert cached.get("cached_tokens", 0) >= 5 * BLOCK_SIZE, again["usage"]
 
     metrics: dict[str, float] = {}
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + METRICS_BOUND_S
     while metrics.get("vllm:cpu_offload_hit_tokens_total", 0) < 5 * BLOCK_SIZE:
         assert time.monotonic() < deadline, (
             f"host hits never reached /metrics: {metrics}"
@@ -138,10 +153,19 @@ def test_server_answers_completion_and_reuses_host_blocks(
 
     # A decode that fills a block: its store is a chain's continuation, with a parent.
     _complete(server, tiny_model, random_words(rng, 6 * BLOCK_SIZE + 3), max_tokens=40)
-    events = listener.drain(2.0)
-    host_stored = [
-        e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU
-    ]
+
+    def host_stored_of(events: list) -> list:
+        return [
+            e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU
+        ]
+
+    # The decode block's store is the last of these to be published.
+    events = listener.drain_until(
+        lambda events: any(
+            e.parent_block_hash is not None for e in host_stored_of(events)
+        )
+    )
+    host_stored = host_stored_of(events)
     assert sum(len(e.block_hashes) for e in host_stored) >= 4 * 6, events[:10]
     assert all(not isinstance(e, BlockRemoved) or e.medium for e in events)
 
@@ -179,7 +203,13 @@ def test_server_answers_completion_and_reuses_host_blocks(
     # and says so.
     for _ in range(5):
         _complete(server, tiny_model, random_words(rng, 6 * BLOCK_SIZE + 3))
-    events = listener.drain(2.0)
+
+    def host_removed(events: list) -> bool:
+        return any(
+            isinstance(e, BlockRemoved) and e.medium == MEDIUM_CPU for e in events
+        )
+
+    events = listener.drain_until(host_removed)
     removed = [
         h for e in events if isinstance(e, BlockRemoved) and e.medium == MEDIUM_CPU
         for h in e.block_hashes
@@ -189,7 +219,7 @@ def test_server_answers_completion_and_reuses_host_blocks(
             [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_CPU]
         )
     ), removed[:4]
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + METRICS_BOUND_S
     while _metrics(server).get("vllm:cpu_offload_evicted_blocks_total", 0) < len(
         removed
     ):
