@@ -98,6 +98,8 @@ def run_pytest(
             "no:cacheprovider",
             "-p",
             "outcome_log",
+            "-p",
+            "cleanup_marks",
         ]
         cmd += ["-c", str(ini), "--rootdir", str(sdist)]
         if mode == "plain":
