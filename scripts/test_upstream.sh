@@ -315,7 +315,9 @@ for patch in "${PATCHES[@]}"; do
   fi
   own=-
   if [ "${#TESTS[@]}" -gt 0 ]; then
-    own="$(pytest_ "$k-own" "${TESTS[@]}")" || { own="$own FAIL"; ok=no; }
+    # Two workers, a test to each at a time: most of an engine test's time is one core's
+    # (imports, start-up), and the CPU platform's engine tests are three in one file.
+    own="$(pytest_ "$k-own" -n 2 --dist load "${TESTS[@]}")" || { own="$own FAIL"; ok=no; }
   fi
   # vLLM's offloading tests, after a patch that changes the code they test, and last
   theirs=-

@@ -16,6 +16,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32
 
 
+def _bind_this_workers_engines() -> None:
+    """Under pytest-xdist, a core of its own for the model threads of each worker's
+    engines.
+
+    vLLM's automatic binding reserves the last core of a small machine for the engine
+    core and binds a TP=1 worker's OpenMP threads to the first
+    (`vllm/utils/ompmultiprocessing.py:46-54`, `_get_autobind_cpu_ids` :290-297):
+    the engines of every worker then compute on core 0 alone while the other waits.
+    Each worker's engines get core `i % cores` instead (an explicit list reserves
+    none, :152-170). Every engine of one worker has the same binding, so arms
+    compared within a test still run alike; tests that set their own binding (TP=2:
+    "0|1"), or drop it to check vLLM's own (`long_documents`), keep theirs, and so
+    does a user's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
+
+
+_bind_this_workers_engines()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--only-vllm-dependent",

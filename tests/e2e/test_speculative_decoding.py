@@ -65,6 +65,42 @@ def _reference(model: str, method: str, dtype: str = "float32") -> Any:
     return _run(model, method, "--device-blocks", "200", "--dtype", dtype)
 
 
+# The tier's engine has 24 device blocks, which hold one document at most.
+TIER = ("--offload", "--device-blocks", "24")
+
+
+@functools.cache
+def _tier_run(model: str, method: str, path: str | None, store: str | None) -> Any:
+    """Re-reads on the tier's engine. With a drafter that adds KV it also writes
+    every block to a tier on disk at `path` and through to the store at `store`:
+    the engine the restart and the other engine read from (one engine, not three)."""
+    args = [*TIER]
+    if path is not None:
+        args += ["--swap-space-path", path]
+    if store is not None:
+        args += ["--swap-space-remote", store]
+    return _run(model, method, *args)
+
+
+@pytest.fixture(scope="module")
+def tier_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("spec-tiers")
+
+
+def _written(model: str, method: str, root: Path, store: str | None) -> Any:
+    """`_tier_run` of a drafter that adds KV, writing to disk (and the store)."""
+    return _tier_run(model, method, str(root / method), store)
+
+
+def _store_or_none(request: pytest.FixtureRequest) -> str | None:
+    """The store's URL, or None where redis-server cannot start (the host-memory
+    tests run without it; the shared tier's skip)."""
+    try:
+        return str(request.getfixturevalue("redis_url"))
+    except pytest.skip.Exception:
+        return None
+
+
 # A document's blocks, and those a re-read's hit keeps from a tier: all but the last,
 # which vLLM's own hit leaves. For an EAGLE-style drafter on one KV cache group vLLM's
 # device hit leaves one more; the tier's hit drops the block past that instead, whose
@@ -86,9 +122,8 @@ def _assert_same_rereads(tier: Any, reference: Any, min_host_hit_docs: int) -> N
 
 @pytest.mark.parametrize("method", METHODS)
 def test_rereads_from_host_memory_keep_the_acceptance_rate(
-    tiny_model: str, method: str
+    tiny_model: str, method: str, tier_root: Path, request: pytest.FixtureRequest
 ) -> None:
-    # The tier's engine has 24 device blocks, which hold one document at most.
     reference = _reference(tiny_model, method)
     # vLLM's hit leaves each document's last block, and for EAGLE one more (the
     # drafter's KV at its last position depends on the token after it).
@@ -97,7 +132,10 @@ def test_rereads_from_host_memory_keep_the_acceptance_rate(
     if method != "ngram":
         # So lost drafter KV would show (EAGLE-3's head, `tiny_eagle.py`: 0.97).
         assert reference["acceptance"] >= (0.95 if method == "eagle3" else 1.0)
-    tier = _run(tiny_model, method, "--offload", "--device-blocks", "24")
+    if method in KV_METHODS:
+        tier = _written(tiny_model, method, tier_root, _store_or_none(request))
+    else:
+        tier = _tier_run(tiny_model, method, None, None)
     _assert_same_rereads(tier, reference, min_host_hit_docs=DOCS - 1)
 
 
@@ -109,9 +147,7 @@ def test_bf16_rereads_from_host_memory_keep_the_acceptance_rate(
     # so tokens and acceptance equal the device cache's (below 1.0 here: bf16
     # rounding makes the drafter and the target differ now and then).
     reference = _reference(tiny_model, method, "bfloat16")
-    tier = _run(
-        tiny_model, method, "--offload", "--device-blocks", "24", "--dtype", "bfloat16"
-    )
+    tier = _run(tiny_model, method, *TIER, "--dtype", "bfloat16")
     _assert_same_rereads(tier, reference, min_host_hit_docs=DOCS - 1)
 
 
@@ -132,27 +168,28 @@ def test_eagle_on_a_hybrid_target_rereads_every_groups_blocks() -> None:
 
 @pytest.mark.parametrize("method", KV_METHODS)
 def test_rereads_from_the_file_tier_after_a_restart_keep_the_acceptance_rate(
-    tiny_model: str, method: str, tmp_path: Path
+    tiny_model: str, method: str, tier_root: Path, request: pytest.FixtureRequest
 ) -> None:
-    # One engine reads every document once into a tier on disk; a new engine reads
-    # them again, every hit from what it restored.
-    args = ["--offload", "--device-blocks", "24", "--passes", "1"]
-    args += ["--swap-space-path", str(tmp_path)]
-    _run(tiny_model, method, *args)
-    restarted = _run(tiny_model, method, *args)
+    # The tier's engine read every document into a tier on disk; a new engine reads
+    # them once, every hit from what it restored.
+    _written(tiny_model, method, tier_root, _store_or_none(request))
+    path = str(tier_root / method)
+    restarted = _run(
+        tiny_model, method, *TIER, "--passes", "1", "--swap-space-path", path
+    )
     _assert_same_rereads(restarted, _reference(tiny_model, method), DOCS)
 
 
 @pytest.mark.parametrize("method", KV_METHODS)
 def test_rereads_from_the_shared_tier_on_another_engine_keep_the_acceptance_rate(
-    tiny_model: str, method: str, redis_url: str
+    tiny_model: str, method: str, redis_url: str, tier_root: Path
 ) -> None:
-    # Engine A reads every document once and writes its blocks through to the store;
-    # engine B, with empty host memory, reads them from the store.
-    args = ["--offload", "--device-blocks", "24", "--passes", "1"]
-    args += ["--swap-space-remote", redis_url]
-    _run(tiny_model, method, *args)
-    second = _run(tiny_model, method, *args)
+    # The tier's engine wrote its blocks through to the store; another engine, with
+    # empty host memory, reads every document once from the store.
+    _written(tiny_model, method, tier_root, redis_url)
+    second = _run(
+        tiny_model, method, *TIER, "--passes", "1", "--swap-space-remote", redis_url
+    )
     reference = _reference(tiny_model, method)
     assert second["remote_hit_tokens"] >= (DOCS - 1) * reference["cached"][0]
     _assert_same_rereads(second, reference, min_host_hit_docs=0)
