@@ -1,32 +1,41 @@
 """Long-document QA, the workload of PR 11532: prefix caching alone vs
---enable-cpu-offload.
+--enable-cpu-offload, and vs prefix caching given the tier's bytes.
 
-N documents of L tokens are each read once (warm-up), then re-read in a repeat order;
-the device KV cache holds about 8 documents and the host tier about 30. Requests are
-sent one at a time, so a request's latency is its time to first token (one output token
-by default). A last phase with no reuse at all (every prompt unique) measures the
-overhead of the tier.
+N documents are each read once (warm-up), then re-read in a repeat order; the device KV
+cache holds about 8 documents and the host tier about 30. Requests are sent one at a
+time, so a request's latency is its time to first token (one output token by default).
+A last phase with no reuse at all (every prompt unique) measures the overhead of the
+tier. Three arms: prefix caching with the same device cache (PR 11532's comparison,
+right where device memory is scarce), the tier, and prefix caching with the tier's
+bytes added to the device cache (`equal-ram`: on vLLM's CPU platform the device cache
+is host RAM too, so this is what a CPU user would pick instead; where the tier loses to
+it, the table says so).
+
+The documents (`--documents auto`): real ones on a trained model where this CPU runs it
+fast enough (SmolLM2-135M-Instruct answering a question about each document cut from
+the Python reference; the answers to the first three are printed for every arm), else
+random words on the generated model, which says so.
 
 A fair A/B: each arm is a fresh process running vLLM as users run it (the default
 multiprocess engine: engine core and worker in their own processes, OpenMP threads bound
-by vLLM's CPU executor, the same cores with and without the flag). Arms are started
-alternately, `--pairs` times (A B, B A, A B, ...), on the same prompts; the tables give
-the median of the pairs and their range. Each phase also records the machine's steal
-time and the CPU time of the engine's processes, so that a slow spell of the host shows
-up as what it is.
+by vLLM's CPU executor, the same cores in every arm). Arms are started in turn,
+`--pairs` times (the order rotating), on the same prompts; the tables give the median
+and the range. Each phase also records the machine's steal time and the CPU time of
+the engine's processes, so that a slow spell of the host shows up as what it is.
 
-    python benchmarks/long_document_qa.py                   # N = 16, 32, 64, 3 pairs
+    python benchmarks/long_document_qa.py                   # N = 16, 32, 64, 3 rounds
     python benchmarks/long_document_qa.py --docs 16 --pairs 1  # the quick version
     python benchmarks/long_document_qa.py --docs 10 --doc-tokens 1500 \\
         --device-blocks 200 --max-tokens 16 --no-reuse-docs 0  # the exactness check
 
-The dtype and the model's depth come from what this CPU does fast (`--dtype auto`,
-`--layers 0`): a matrix-product probe at the start (benchmarks/matmul_rate.py, under a
-second) picks bf16 where the CPU multiplies it faster than fp32 (AMX, AVX512-BF16) and
-fp32 elsewhere (an AVX2-only CPU runs bf16 about 100x slower), then the deepest model
-(8, 4 or 2 layers of the same width) whose 1,000-token prefill fits MISS_BUDGET_S at the
-probed rate. It prints the rates and the choice; `--dtype` and `--layers` (or
-`--quick`: 4 layers) fix them instead.
+The dtype and, for the generated model, the depth come from what this CPU does fast
+(`--dtype auto`, `--layers 0`): a matrix-product probe at the start
+(benchmarks/matmul_rate.py, under a second) picks bf16 where the CPU multiplies it
+faster than fp32 (AMX, AVX512-BF16) and fp32 elsewhere (an AVX2-only CPU runs bf16
+about 100x slower), then the real model if its 1,000-token prefill fits
+REAL_MISS_BUDGET_S at the probed rate, else the deepest generated model (8, 4 or 2
+layers of the same width) whose prefill fits MISS_BUDGET_S. It prints the rates and
+the choice; `--documents`, `--dtype` and `--layers` (or `--quick`: 4 layers) fix them.
 
 Prints one table per N and the ratios, writes JSON and a plot to benchmarks/results/.
 """
@@ -52,16 +61,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Run as a script (scripts/demo.sh): the repository root makes `benchmarks` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.long_document_tables import ARMS, plot, summarize  # noqa: E402
 from benchmarks.matmul_rate import Rates, choose_dtype, probe  # noqa: E402
+from benchmarks.qa_documents import REAL_SHAPE, Documents  # noqa: E402
 from vllm_cpu_offload.testing.tiny_model import (  # noqa: E402
     TinyLlamaShape,
     ensure_tiny_llama,
-    random_token_ids,
 )
 
 BLOCK_SIZE = 32
 RESULTS = Path(__file__).parent / "results"
-ARMS = ("prefix-caching", "cpu-offload")
 
 # Wide enough that a document's prefill dominates the fixed cost of a request on a CPU,
 # small enough that a full run fits in minutes on 2 cores.
@@ -79,6 +88,10 @@ LAYER_CHOICES = (BENCH_SHAPE.num_layers, QUICK_SHAPE.num_layers, 2)
 # 0.7 s by the probe a miss stays near a second: 3 minutes at most. An AVX2-only CPU
 # (one core: fp32 67 GFLOP/s, bf16 0.5) gets fp32 and 4 layers.
 MISS_BUDGET_S = 0.7
+# The real model's miss at the probed rate, at most: on a 2-core AVX512-BF16 EPYC its
+# 1,000-token bf16 prefill is about 1.2 s by the probe, and the quick version stays
+# within 5 minutes; an AVX2-only CPU (fp32, about 3.7 s) gets the generated model.
+REAL_MISS_BUDGET_S = 1.5
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 
 
@@ -116,6 +129,16 @@ def resolve_sizing(args: argparse.Namespace) -> tuple[str, int, Rates | None]:
     if not layers:
         layers = choose_layers(rates.gflops[dtype], args.doc_tokens)
     return dtype, layers, rates
+
+
+def resolve_documents(args: argparse.Namespace, dtype: str, rates: Rates | None) -> str:
+    """ "real" or "random": as given, or the real model where its miss fits
+    REAL_MISS_BUDGET_S at the probed rate."""
+    if args.documents != "auto":
+        return str(args.documents)
+    rates = rates or probe()
+    miss = prefill_gflop(REAL_SHAPE, max(args.doc_tokens, 1000)) / rates.gflops[dtype]
+    return "real" if miss <= REAL_MISS_BUDGET_S else "random"
 
 
 @dataclass
@@ -179,14 +202,27 @@ def _host_hits(llm: Any) -> int:
     return 0
 
 
-def _make_llm(args: argparse.Namespace, shape: TinyLlamaShape, offload: bool) -> Any:
+def block_bytes(shape: TinyLlamaShape, dtype: str) -> int:
+    head_dim = shape.hidden_size // shape.num_heads
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * head_dim
+    return per_token * BLOCK_SIZE * DTYPE_BYTES[dtype]
+
+
+def device_blocks(args: argparse.Namespace, arm: str) -> int:
+    """The device cache of `arm`; equal-ram's holds the tier's blocks too."""
+    doc_blocks = -(-args.doc_tokens // BLOCK_SIZE)
+    blocks = args.device_blocks or args.device_docs * doc_blocks
+    return blocks + (args.host_docs * doc_blocks if arm == "equal-ram" else 0)
+
+
+def _make_llm(args: argparse.Namespace, shape: TinyLlamaShape, arm: str) -> Any:
     from vllm import LLM
 
     doc_blocks = -(-args.doc_tokens // BLOCK_SIZE)
     kwargs: dict[str, Any] = dict(
         enforce_eager=True,
         block_size=BLOCK_SIZE,
-        num_gpu_blocks_override=args.device_blocks or args.device_docs * doc_blocks,
+        num_gpu_blocks_override=device_blocks(args, arm),
         max_model_len=doc_blocks * BLOCK_SIZE + BLOCK_SIZE + args.max_tokens,
         max_num_seqs=4,
         max_num_batched_tokens=4096,
@@ -195,19 +231,13 @@ def _make_llm(args: argparse.Namespace, shape: TinyLlamaShape, offload: bool) ->
         # Both arms: the host-hit counter comes from the metrics.
         disable_log_stats=False,
     )
-    if offload:
-        head_dim = shape.hidden_size // shape.num_heads
-        block_bytes = (
-            2
-            * shape.num_layers
-            * BLOCK_SIZE
-            * shape.num_kv_heads
-            * head_dim
-            * DTYPE_BYTES[args.dtype]
-        )
+    if arm == "cpu-offload":
         kwargs |= dict(
             enable_cpu_offload=True,
-            swap_space=args.host_docs * doc_blocks * block_bytes / (1 << 30),
+            swap_space=args.host_docs
+            * doc_blocks
+            * block_bytes(shape, args.dtype)
+            / (1 << 30),
         )
     return LLM(args.model, **kwargs)
 
@@ -262,27 +292,31 @@ def _phase(
 
 
 def run_arm(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One engine: every N (after a reset of both tiers) and the no-reuse phase."""
-    shape = shape_of(args.layers)
+    """One engine: every N (after a reset of both tiers), the answers after the
+    last N's re-read, and the no-reuse phase."""
+    shape = REAL_SHAPE if args.documents == "real" else shape_of(args.layers)
     arm = args.run_arm
-    llm = _make_llm(args, shape, offload=arm == "cpu-offload")
-    results = []
+    docs = Documents(args.documents, args.model, args.doc_tokens)
+    llm = _make_llm(args, shape, arm)
+    results: list[dict[str, Any]] = []
     try:
         for n in args.docs:
             assert llm.reset_prefix_cache(reset_connector=True), "a block is still held"
             rng = random.Random(n)
-            prompts = [random_token_ids(rng, args.doc_tokens) for _ in range(n)]
+            prompts = docs.prompts(n, seed=n)
             warm = _phase(llm, arm, prompts, list(range(n)), args.max_tokens)
             order = _repeat_order(n, args.repeat_mode, rng)
             again = _phase(llm, arm, prompts, order, args.max_tokens)
             results.append({"docs": n, "warmup": warm, "reread": again})
+        if results:
+            results[-1]["answers"] = docs.answers(llm)
         if args.no_reuse_docs:
             assert llm.reset_prefix_cache(reset_connector=True), "a block is still held"
-            rng = random.Random(12345)
-            unique = [
-                random_token_ids(rng, args.doc_tokens)
-                for _ in range(args.no_reuse_docs)
-            ]
+            # Unique prompts: random ones for either model (the reference's documents
+            # were all read above).
+            unique = Documents("random", args.model, args.doc_tokens).prompts(
+                args.no_reuse_docs, seed=12345
+            )
             once = _phase(llm, arm, unique, list(range(len(unique))), args.max_tokens)
             results.append({"docs": 0, "no_reuse": once})
     finally:
@@ -290,7 +324,7 @@ def run_arm(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def _spawn_arm(arm: str, argv: list[str]) -> list[dict[str, Any]]:
+def _spawn_arm(arm: str, argv: list[str], kv_gib: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "arm.json"
         cmd = [
@@ -304,133 +338,12 @@ def _spawn_arm(arm: str, argv: list[str]) -> list[dict[str, Any]]:
         ]
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine as users run it
+        # Room for the largest device cache of the arms (equal-ram's), in every arm.
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"the {arm} arm failed:\n{proc.stderr[-4000:]}")
         return list(json.loads(out.read_text()))
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def _fmt(s: dict[str, float], unit: str = "x", digits: int = 2) -> str:
-    return (
-        f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-    )
-
-
-def summarize(pairs: list[dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Median and range over the pairs; prints the tables."""
-    summary: dict[str, Any] = {"docs": [], "outputs_equal": True}
-    base0 = pairs[0]["prefix-caching"]
-    for i, entry in enumerate(base0):
-        if "reread" not in entry:
-            continue
-        rows = {arm: [p[arm][i] for p in pairs] for arm in ARMS}
-        equal = all(
-            p["prefix-caching"][i][ph]["tokens"] == p["cpu-offload"][i][ph]["tokens"]
-            for p in pairs
-            for ph in ("warmup", "reread")
-        )
-        summary["outputs_equal"] &= equal
-        speedups = [
-            b["reread"]["wall_s"] / o["reread"]["wall_s"]
-            for b, o in zip(rows["prefix-caching"], rows["cpu-offload"], strict=True)
-        ]
-        row: dict[str, Any] = {
-            "docs": entry["docs"],
-            "reread_speedup": _spread(speedups),
-        }
-        print(
-            f"\n{entry['docs']} documents, re-read phase (median of {len(pairs)} "
-            "pairs, range)"
-        )
-        for arm in ARMS:
-            r = [x["reread"] for x in rows[arm]]
-            stats = {
-                key: _spread([x[key] for x in r])
-                for key in (
-                    "wall_s",
-                    "ttft_mean_ms",
-                    "ttft_p90_ms",
-                    "miss_ms_median",
-                    "steal_s",
-                )
-            }
-            stats["host_hit_tokens"] = _spread([x["host_hit_tokens"] for x in r])
-            stats["cached_tokens"] = _spread([x["cached_tokens"] for x in r])
-            warm_miss = _spread([x["warmup"]["miss_ms_median"] for x in rows[arm]])
-            row[arm] = stats | {"warmup_miss_ms_median": warm_miss}
-            print(
-                f"  {arm:>15}: {_fmt(stats['wall_s'], ' s')}, TTFT mean "
-                f"{_fmt(stats['ttft_mean_ms'], ' ms', 0)}, p90 "
-                f"{_fmt(stats['ttft_p90_ms'], ' ms', 0)}, host hits "
-                f"{stats['host_hit_tokens']['median']:.0f}, a miss "
-                f"{stats['miss_ms_median']['median']:.0f} ms (warm-up "
-                f"{warm_miss['median']:.0f})"
-            )
-        print(
-            f"  re-read speed-up {_fmt(row['reread_speedup'])}; outputs equal: {equal}"
-        )
-        summary["docs"].append(row)
-    if "no_reuse" in base0[-1]:
-        # Same prompts in both arms: the throughput ratio is the inverse ratio
-        # of wall times.
-        ratios = [
-            p["prefix-caching"][-1]["no_reuse"]["wall_s"]
-            / p["cpu-offload"][-1]["no_reuse"]["wall_s"]
-            for p in pairs
-        ]
-        ratio = summary["no_reuse_throughput_ratio"] = _spread(ratios)
-        print(
-            f"\nno reuse: throughput with the flag {_fmt(ratio, 'x', 3)} of the "
-            "baseline"
-        )
-    print(
-        f"greedy outputs of both arms equal in every pair: {summary['outputs_equal']}"
-    )
-    return summary
-
-
-def _plot(summary: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return
-    rows = summary["docs"]
-    width = 0.38
-    xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for offset, arm, label in (
-        (-1, ARMS[0], "prefix caching"),
-        (1, ARMS[1], "--enable-cpu-offload"),
-    ):
-        med = [r[arm]["wall_s"]["median"] for r in rows]
-        err = [
-            [m - r[arm]["wall_s"]["min"] for m, r in zip(med, rows, strict=True)],
-            [r[arm]["wall_s"]["max"] - m for m, r in zip(med, rows, strict=True)],
-        ]
-        ax.bar(
-            [x + offset * width / 2 for x in xs],
-            med,
-            width,
-            yerr=err,
-            capsize=3,
-            label=label,
-        )
-    ax.set_xticks(list(xs), [str(r["docs"]) for r in rows])
-    ax.set_xlabel("documents")
-    ax.set_ylabel("re-read phase, seconds")
-    ax.set_title("Long-document QA re-read (median of pairs and range)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -461,6 +374,16 @@ def _parser() -> argparse.ArgumentParser:
         help="the model's depth (0: the deepest that this CPU runs fast enough)",
     )
     parser.add_argument("--quick", action="store_true", help="4 layers (as --layers 4)")
+    parser.add_argument(
+        "--documents",
+        default="auto",
+        choices=("auto", "real", "random"),
+        help="real: the trained model on the Python reference; random: random words "
+        "on the generated model; auto: real where this CPU runs it fast enough",
+    )
+    parser.add_argument(
+        "--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run"
+    )
     parser.add_argument("--out", default=str(RESULTS / "long_document_qa.json"))
     parser.add_argument("--run-arm", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--arm-json", help=argparse.SUPPRESS)
@@ -475,27 +398,47 @@ def main() -> None:
         Path(args.arm_json).write_text(json.dumps(run_arm(args)))
         return
     dtype, layers, rates = resolve_sizing(args)
-    shape = shape_of(layers)
+    source = resolve_documents(args, dtype, rates)
+    shape = REAL_SHAPE if source == "real" else shape_of(layers)
     miss = prefill_gflop(shape, args.doc_tokens)
     if rates is not None:
         print(f"CPU {rates.describe()}")
-        how = {True: "probed", False: "given"}
+    how = {True: "probed", False: "given"}
+    rate = f", {miss / rates.gflops[dtype]:.2f} s at the probed rate" if rates else ""
+    print(
+        f"chose {dtype} ({how[args.dtype == 'auto']}) and {source} documents "
+        f"({how[args.documents == 'auto']}): a {args.doc_tokens}-token prefill of the "
+        f"model is {miss:.0f} GFLOP{rate}"
+    )
+    if source == "real":
+        from vllm_cpu_offload.testing.real_model import ensure_smollm2
+
+        model = str(ensure_smollm2(dtype))
         print(
-            f"chose {dtype} ({how[args.dtype == 'auto']}) and {layers} layers "
-            f"({how[not args.layers and not args.quick]}): a {args.doc_tokens}-token "
-            f"prefill is {miss:.0f} GFLOP, {miss / rates.gflops[dtype]:.2f} s at the "
-            "probed rate"
+            "model SmolLM2-135M-Instruct (trained; 30 layers, hidden 576) answering a "
+            "question about each document cut from the Python reference"
         )
     else:
-        print(f"given: {dtype}, {layers} layers")
-    model = str(ensure_tiny_llama(shape))
+        model = str(ensure_tiny_llama(shape))
+        print(
+            f"model {shape.name} (generated, random weights: outputs carry no meaning; "
+            f"{shape.num_layers} layers, hidden {shape.hidden_size}) reading random "
+            "words"
+            + (
+                ""
+                if args.documents == "random"
+                else ": the real model's miss "
+                f"is over {REAL_MISS_BUDGET_S} s on this CPU"
+            )
+        )
+    largest = max(device_blocks(args, arm) for arm in args.arms)
+    kv_gib = max(2, -(-largest * block_bytes(shape, dtype) * 5 // 4 // (1 << 30)))
     print(
-        f"model {shape.name} in {dtype}: {shape.num_layers} layers, "
-        f"hidden {shape.hidden_size}; "
-        f"documents of {args.doc_tokens} tokens; device cache "
-        f"{args.device_blocks or args.device_docs * -(-args.doc_tokens // BLOCK_SIZE)} "
-        f"blocks, host tier {args.host_docs} documents; repeat order "
-        f"{args.repeat_mode}; {args.pairs} pairs of fresh engines, started alternately"
+        f"documents of up to {args.doc_tokens} tokens; device cache "
+        f"{device_blocks(args, 'prefix-caching')} blocks (equal-ram: "
+        f"{device_blocks(args, 'equal-ram')}), host tier {args.host_docs} documents; "
+        f"repeat order {args.repeat_mode}; {args.pairs} rounds of fresh engines, the "
+        "order rotating"
     )
     argv = [
         "--model", model, "--docs", *map(str, args.docs),
@@ -503,17 +446,19 @@ def main() -> None:
         "--device-blocks", str(args.device_blocks),
         "--host-docs", str(args.host_docs), "--max-tokens", str(args.max_tokens),
         "--repeat-mode", args.repeat_mode, "--no-reuse-docs", str(args.no_reuse_docs),
-        "--dtype", dtype, "--layers", str(layers),
+        "--dtype", dtype, "--layers", str(layers), "--documents", source,
     ]  # fmt: skip
     pairs = []
+    arms = [a for a in ARMS if a in args.arms]
     for i in range(args.pairs):
-        order = ARMS if i % 2 == 0 else ARMS[::-1]
+        k = i % len(arms)
+        order = arms[k:] + arms[:k]  # each arm first in turn
         pair = {}
         for arm in order:
             t0 = time.perf_counter()
-            pair[arm] = _spawn_arm(arm, argv)
+            pair[arm] = _spawn_arm(arm, argv, kv_gib)
             print(
-                f"pair {i + 1}: {arm} done in {time.perf_counter() - t0:.0f} s",
+                f"round {i + 1}: {arm} done in {time.perf_counter() - t0:.0f} s",
                 flush=True,
             )
         pairs.append(pair)
@@ -525,6 +470,7 @@ def main() -> None:
             {
                 "args": vars(args),
                 "dtype": dtype,
+                "documents": source,
                 "rates": None if rates is None else rates.gflops,
                 "model": asdict(shape),
                 "summary": summary,
@@ -533,7 +479,7 @@ def main() -> None:
         )
     )
     print(f"json: {out}")
-    _plot(summary, out.with_suffix(".png"))
+    plot(summary, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
