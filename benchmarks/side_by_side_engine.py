@@ -43,7 +43,19 @@ from benchmarks.long_document_qa import (
 )
 from vllm_cpu_offload.testing.tiny_model import TinyLlamaShape
 
-ARMS = ("none", "vllm", "vllm+prefix_aware", "vllm+sync_load", "plugin")
+ARMS = (
+    "none",
+    "none+tier_bytes",
+    "vllm",
+    "vllm+arc",
+    "vllm+store_threshold2",
+    "vllm+prefix_aware",
+    "vllm+sync_load",
+    "plugin",
+)
+# The arm a CPU user would pick instead of a tier: prefix caching, the device cache
+# given the tier's bytes (on the CPU platform both are RAM).
+EQUAL_RAM_ARM = "none+tier_bytes"
 # vLLM's loads within the step (`sync_load_budget_bytes`, off by default), up to the
 # plugin's bound for the same (`async_load_tokens`, 4096 tokens), in bytes per step.
 SYNC_LOAD_TOKENS = 4096
@@ -70,10 +82,22 @@ COUNTERS = (
 
 def arm_kwargs(arm: str, host_gib: float, kv_bytes_per_token: int) -> dict[str, Any]:
     """The engine arguments that make `arm`, at `host_gib` GiB of host tier."""
-    if arm == "none":
-        return {}
+    if arm in ("none", EQUAL_RAM_ARM):
+        return {}  # EQUAL_RAM_ARM's larger device cache: device_blocks
     if arm == "vllm":
         return {"kv_offloading_size": host_gib}
+    if arm in ("vllm+arc", "vllm+store_threshold2"):
+        # vLLM 0.33's own choices (`v1/kv_offload/cpu/spec.py:142`, `:160`).
+        extra = (
+            {"eviction_policy": "arc"} if arm == "vllm+arc" else {"store_threshold": 2}
+        )
+        return {
+            "kv_offloading_size": host_gib,
+            "kv_transfer_config": {
+                "kv_connector_extra_config": extra,
+                "kv_load_failure_policy": "recompute",
+            },
+        }
     if arm == "vllm+prefix_aware":
         # `kv_offloading_size` fills in the connector, its role and cpu_bytes_to_use;
         # the load failure policy it sets when it creates the config is set here.
@@ -104,6 +128,14 @@ def kv_bytes_per_token(shape: TinyLlamaShape, dtype: str) -> int:
     return 2 * shape.num_layers * shape.num_kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
+def device_blocks(args: argparse.Namespace, shape: TinyLlamaShape) -> int:
+    """The arm's device cache: EQUAL_RAM_ARM's holds the tier's blocks too."""
+    if args.arm != EQUAL_RAM_ARM:
+        return int(args.device_blocks)
+    block_bytes = kv_bytes_per_token(shape, args.dtype) * BLOCK_SIZE
+    return int(args.device_blocks) + round(args.host_gib * (1 << 30) / block_bytes)
+
+
 def make_llm(args: argparse.Namespace) -> Any:
     from vllm import LLM
 
@@ -119,7 +151,7 @@ def make_llm(args: argparse.Namespace) -> Any:
         str(ensure_tiny_llama(shape)),
         enforce_eager=True,
         block_size=BLOCK_SIZE,
-        num_gpu_blocks_override=args.device_blocks,
+        num_gpu_blocks_override=device_blocks(args, shape),
         max_model_len=longest + BLOCK_SIZE + args.max_tokens,
         max_num_seqs=args.convoy_requests + 1,  # a convoy and the document ahead
         max_num_batched_tokens=MAX_BATCHED_TOKENS,

@@ -9,6 +9,7 @@ from statistics import median
 from typing import Any
 
 from benchmarks.engine_runs import spread
+from benchmarks.side_by_side_engine import EQUAL_RAM_ARM
 
 HOST_HITS = "vllm:external_prefix_cache_hits"  # the connector's hits, every arm
 DEVICE_HITS = "vllm:prefix_cache_hits"
@@ -71,9 +72,15 @@ def reread_table(rounds: list[dict[str, Any]], arms: Sequence[str]) -> list[dict
                     / sum(ttfts(r[arm]["reread"][i]["reread"]))
                     for r in rounds
                 ])  # fmt: skip
+            if EQUAL_RAM_ARM in arms:
+                cells["speedup_vs_equal_ram"] = spread([
+                    sum(ttfts(r[EQUAL_RAM_ARM]["reread"][i]["reread"]))
+                    / sum(ttfts(r[arm]["reread"][i]["reread"]))
+                    for r in rounds
+                ])  # fmt: skip
             row[arm] = cells
             print(
-                f"  {arm:>17}: re-read {fmt(cells['reread_ttft_sum_s'], 1, 2, ' s')}, "
+                f"  {arm:>21}: re-read {fmt(cells['reread_ttft_sum_s'], 1, 2, ' s')}, "
                 f"TTFT median {fmt(cells['ttft_median_ms'], unit=' ms')}, p90 "
                 f"{fmt(cells['ttft_p90_ms'], unit=' ms')}, host hits "
                 f"{fmt(cells['host_hit_tokens'])}, device hits "
@@ -81,6 +88,12 @@ def reread_table(rounds: list[dict[str, Any]], arms: Sequence[str]) -> list[dict
                 + (
                     f", {fmt(cells['speedup_vs_none'], 1, 2, 'x')} over none"
                     if "speedup_vs_none" in cells
+                    else ""
+                )
+                + (
+                    f", {fmt(cells['speedup_vs_equal_ram'], 1, 2, 'x')} over "
+                    f"{EQUAL_RAM_ARM}"
+                    if "speedup_vs_equal_ram" in cells
                     else ""
                 )  # fmt: skip
             )
@@ -106,7 +119,7 @@ def no_reuse_table(rounds: list[dict[str, Any]], arms: Sequence[str]) -> dict:
                 for r in rounds
             ])  # fmt: skip
         table[arm] = cells
-        print(f"  {arm:>17}: {fmt(cells['wall_s'], 1, 2, ' s')}, TTFT median "
+        print(f"  {arm:>21}: {fmt(cells['wall_s'], 1, 2, ' s')}, TTFT median "
               f"{fmt(cells['ttft_median_ms'], unit=' ms')}"
               + (f", throughput {fmt(cells['throughput_vs_none'], 1, 3, 'x')} of none"
                  if "throughput_vs_none" in cells else ""))  # fmt: skip
@@ -149,7 +162,7 @@ def convoy_table(rounds: list[dict[str, Any]], arms: Sequence[str]) -> dict:
             "convoys": sum(len(r[arm]["convoy"]) for r in rounds),
         }
         table[arm] = cells
-        print(f"  {arm:>17}: median {fmt(cells['median_ms'], unit=' ms')}, "
+        print(f"  {arm:>21}: median {fmt(cells['median_ms'], unit=' ms')}, "
               f"p90 {fmt(cells['p90_ms'], unit=' ms')}, max "
               f"{fmt(cells['max_ms'], unit=' ms')} (TTFT from arrival "
               f"{fmt(cells['raw_ttft_median_ms'], unit=' ms')}); per convoy host "

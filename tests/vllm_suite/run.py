@@ -36,7 +36,7 @@ from tests.vllm_suite.selection import ALL_FILES, DESELECTED, FILES
 
 REPO = Path(__file__).resolve().parents[2]
 SUITE_DIR = Path(__file__).resolve().parent
-# the selection takes about 8 min here; a hang must not stall CI
+# the selection takes about 2 min here (1,677 passed in 119 s); a hang must not stall CI
 RUN_TIMEOUT_S = 45 * 60
 COLUMNS = (
     "passed",
