@@ -159,7 +159,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(xs), [str(r["docs"]) for r in rows])
     ax.set_xlabel("documents")
     ax.set_ylabel("re-read phase, seconds")
-    ax.set_title("Long-document QA re-read (median of pairs and range)")
+    ax.set_title("Long-document QA re-read (median of rounds and range)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
