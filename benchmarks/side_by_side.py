@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# The CPU platform here too, not only in the engines (engine_env): a CUDA wheel's Python
-# names no platform, and vLLM's generic kernel import then loads the AVX512-BF16 build of
-# the CPU kernels, which stops an AVX2-only CPU with an illegal instruction.
+# The CPU platform here too, not only in the engines (engine_env): a CUDA wheel's
+# Python names no platform, and vLLM's generic kernel import then loads the AVX512-BF16
+# build of the CPU kernels, which stops an AVX2-only CPU with an illegal instruction.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from benchmarks.long_document_qa import (  # noqa: E402

@@ -92,8 +92,13 @@ def _documents(args: argparse.Namespace) -> list[list[int]]:
         from vllm_cpu_offload.testing.pydoc_documents import documents, prompt_token_ids
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        texts = documents(tokenizer, args.docs, args.doc_tokens)
-        return [prompt_token_ids(tokenizer, doc) for doc in texts]
+        texts = documents(tokenizer, args.docs + 16, args.doc_tokens)
+        # Prompts that end inside a block: a prompt of whole blocks hits one block more
+        # from host (loaded up to its last token) than on the device (vLLM computes its
+        # last block), so its last token would be computed alone in one run and in a
+        # block's chunk in the other, which bf16 rounds differently.
+        prompts = [prompt_token_ids(tokenizer, doc) for doc in texts]
+        return [p for p in prompts if len(p) % BLOCK_SIZE][: args.docs]
     from vllm_cpu_offload.testing.tiny_model import random_token_ids
 
     rng = random.Random(11)

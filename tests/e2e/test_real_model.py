@@ -61,12 +61,11 @@ def _check(runs: tuple[str, dict[str, Any], dict[str, Any]], dtype: str) -> None
         pytest.skip(f"this CPU runs {ran} fast; {dtype} is the other machines' test")
     device, host = device_hits["requests"], host_hits["requests"]
     # Every re-read hit its document's full blocks: on the device in the reference,
-    # from host memory with the flag (its device cache kept none of them). A prompt of
-    # whole blocks hits one block fewer on the device (vLLM computes its last token
-    # there) than from host (loaded up to the last token).
+    # from host memory with the flag (its device cache kept none of them). The prompts
+    # end inside a block (long_document_run.py), so both compute the same tail.
     for ref, got in zip(device[DOCS:], host[DOCS:], strict=True):
-        full = (ref["prompt_tokens"] - 1) // BLOCK_SIZE * BLOCK_SIZE
-        assert got["cached"] >= ref["cached"] == full >= 5 * BLOCK_SIZE, (ref, got)
+        full = ref["prompt_tokens"] // BLOCK_SIZE * BLOCK_SIZE
+        assert got["cached"] == ref["cached"] == full >= 5 * BLOCK_SIZE, (ref, got)
     assert host_hits["metrics"].get("vllm:cpu_offload_hit_tokens") == sum(
         r["cached"] for r in host[DOCS:]
     )
