@@ -35,9 +35,10 @@ from tests.e2e.test_shared_tier import (
     BLOCKS,
     HITS,
     MOONCAKE_ENV,
-    all_written,
+    all_accounted,
     cached_tokens,
     documents,
+    lost_writes,
     server_flags,
     stepped_until,
     text,
@@ -75,19 +76,20 @@ def _own_answers(server: RunningServer, docs: list[str]) -> list[dict]:
     return [complete(server, d, cache_salt="own") for d in docs]
 
 
-def _write(server: RunningServer, docs: list[str], ranks: int, blocks: int) -> None:
+def _write(server: RunningServer, docs: list[str], ranks: int, blocks: int) -> bool:
     """Reads `docs`, and returns once each of the server's `ranks` wrote its heads of
     every block the server stored, `blocks` (or more) of them: its earlier reads'
-    and these (each rank counts the blocks it wrote its heads of)."""
+    and these (each rank counts the blocks it wrote its heads of), or counted one
+    lost. Whether every shard reached the store."""
     for d in docs:
         complete(server, d)
-    stepped_until(server, all_written(ranks, ranks * blocks))
+    return not lost_writes(stepped_until(server, all_accounted(ranks, ranks * blocks)))
 
 
-def _read(server: RunningServer, docs: list[str]) -> list[dict]:
+def _read(server: RunningServer, docs: list[str], all_stored: bool) -> list[dict]:
     """The answers to `docs` read from the store; every block asked for arrived, or
-    its miss was counted (a fetch the store's own client gave up on a busy machine),
-    and the store gave some."""
+    its miss was counted (a fetch the store's own client gave up on a busy machine,
+    or a write the store refused: `all_stored` false), and the store gave some."""
     before = settled_metrics(server.url, until=idle)
     again = [complete(server, d) for d in docs]
     after = settled_metrics(server.url, until=idle)
@@ -97,7 +99,7 @@ def _read(server: RunningServer, docs: list[str]) -> list[dict]:
 
     assert grew("remote_rejected_blocks_total") == 0
     hits, faults = grew("remote_hit_tokens_total"), {n: grew(n) for n in FAULTS}
-    if not any(faults.values()):
+    if all_stored and not any(faults.values()):
         assert hits >= DOCS * HITS, (hits, faults)
         assert all(cached_tokens(r) >= HITS for r in again), faults
     assert hits > 0, faults
@@ -110,14 +112,14 @@ def test_tp1_and_tp2_engines_read_each_others_documents(
     d1 = documents(53, DOCS)[0]
     d2 = documents(59, DOCS)[0]
     with _server(tiny_model, mooncake.url, tp=2) as a:
-        _write(a, d1, ranks=2, blocks=DOCS * (BLOCKS - 1))  # a head on each rank
+        d1_stored = _write(a, d1, ranks=2, blocks=DOCS * (BLOCKS - 1))  # a head a rank
     with _server(tiny_model, mooncake.url, tp=1) as b:
         own_d1 = _own_answers(b, d1)
-        from_tp2 = _read(b, d1)
+        from_tp2 = _read(b, d1, d1_stored)
         # One rank writes both heads of D2's blocks and of its salted reads of D1.
-        _write(b, d2, ranks=1, blocks=2 * DOCS * (BLOCKS - 1))
+        d2_stored = _write(b, d2, ranks=1, blocks=2 * DOCS * (BLOCKS - 1))
     assert [text(r) for r in from_tp2] == [text(r) for r in own_d1]
     with _server(tiny_model, mooncake.url, tp=2) as c:
         own_d2 = _own_answers(c, d2)
-        from_tp1 = _read(c, d2)
+        from_tp1 = _read(c, d2, d2_stored)
     assert [text(r) for r in from_tp1] == [text(r) for r in own_d2]

@@ -173,6 +173,28 @@ def all_written(ranks: int, at_least: int) -> Callable[[dict[str, float]], bool]
     return holds
 
 
+def all_accounted(ranks: int, at_least: int) -> Callable[[dict[str, float]], bool]:
+    """As `all_written`, but a shard the store lost or refused counts as accounted for:
+    for tests whose point is what is read back, where a write lost costs a miss (a
+    Mooncake segment near full refuses puts until its eviction, which a loaded machine
+    runs late, has made room)."""
+    previous: list[tuple[float, float]] = []
+
+    def holds(m: dict[str, float]) -> bool:
+        stored = m.get(OFFLOAD + "stored_blocks_total", 0)
+        done = m.get(OFFLOAD + "remote_written_blocks_total", 0) + lost_writes(m)
+        steady = previous == [(stored, done)]
+        previous[:] = [(stored, done)]
+        return steady and done == ranks * stored and done >= at_least
+
+    return holds
+
+
+def lost_writes(m: dict[str, float]) -> float:
+    """Shards the store never took: dropped, refused or failed."""
+    return sum(m.get(name, 0) for name in LOST_WRITES)
+
+
 @dataclass(frozen=True)
 class Written:
     """Server A's answers to documents it read twice, cold and then from its own
