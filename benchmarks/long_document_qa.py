@@ -302,6 +302,10 @@ def run_arm(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         for n in args.docs:
             assert llm.reset_prefix_cache(reset_connector=True), "a block is still held"
+            # The repeat order has a generator of its own (the prompts draw from
+            # another of the same seed), so real and random documents are re-read in
+            # the same order. Runs before 2026-12-03 drew the order after the prompts
+            # from one generator: their orders differ from these.
             rng = random.Random(n)
             prompts = docs.prompts(n, seed=n)
             warm = _phase(llm, arm, prompts, list(range(n)), args.max_tokens)

@@ -51,6 +51,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 from benchmarks.long_document_qa import (  # noqa: E402
     BLOCK_SIZE,
     DTYPE_BYTES,
+    block_bytes,
     resolve_sizing,
     shape_of,
 )
@@ -167,11 +168,7 @@ def blocks(tokens: int) -> int:
 def engine_argv(args: argparse.Namespace, dtype: str, layers: int) -> list[str]:
     doc_blocks = blocks(args.doc_tokens)
     shape = shape_of(layers)
-    block_bytes = (
-        2 * shape.num_layers * BLOCK_SIZE * shape.num_kv_heads
-        * (shape.hidden_size // shape.num_heads) * DTYPE_BYTES[dtype]
-    )  # fmt: skip
-    host_gib = args.host_docs * doc_blocks * block_bytes / (1 << 30)
+    host_gib = args.host_docs * doc_blocks * block_bytes(shape, dtype) / (1 << 30)
     device_blocks = args.device_docs * doc_blocks
     # the prefix, each request's suffix and output, the document ahead of them
     suffix_tokens = args.convoy_suffix_tokens + args.max_tokens

@@ -36,9 +36,9 @@ from typing import Any
 from benchmarks.engine_runs import print_result
 from benchmarks.long_document_qa import (
     BLOCK_SIZE,
-    DTYPE_BYTES,
     _engine_cpu_seconds,
     _steal_seconds,
+    block_bytes,
     shape_of,
 )
 from vllm_cpu_offload.testing.tiny_model import TinyLlamaShape
@@ -124,16 +124,15 @@ def arm_kwargs(arm: str, host_gib: float, kv_bytes_per_token: int) -> dict[str, 
 
 
 def kv_bytes_per_token(shape: TinyLlamaShape, dtype: str) -> int:
-    head_dim = shape.hidden_size // shape.num_heads
-    return 2 * shape.num_layers * shape.num_kv_heads * head_dim * DTYPE_BYTES[dtype]
+    return block_bytes(shape, dtype) // BLOCK_SIZE
 
 
 def device_blocks(args: argparse.Namespace, shape: TinyLlamaShape) -> int:
     """The arm's device cache: EQUAL_RAM_ARM's holds the tier's blocks too."""
     if args.arm != EQUAL_RAM_ARM:
         return int(args.device_blocks)
-    block_bytes = kv_bytes_per_token(shape, args.dtype) * BLOCK_SIZE
-    return int(args.device_blocks) + round(args.host_gib * (1 << 30) / block_bytes)
+    host_blocks = args.host_gib * (1 << 30) / block_bytes(shape, args.dtype)
+    return int(args.device_blocks) + round(host_blocks)
 
 
 def make_llm(args: argparse.Namespace) -> Any:

@@ -151,33 +151,31 @@ def stepped_until(
 
 def all_written(ranks: int, at_least: int) -> Callable[[dict[str, float]], bool]:
     """Each of the engine's `ranks` wrote its shard of every block stored in host
-    memory, `at_least` shards in all, and neither count moved over the last step.
-
-    The stored and written counters move a step apart (a store is counted by the
-    scheduler, its write by the worker once the write's call returned), so equal
-    counts alone can hold before the last document's stores are counted: the lower
-    bound and the step without change rule that out. The engine's calls must be
-    unbounded (`server_flags`): a write lost anyway fails here, naming its counter.
-    """
-    previous: list[tuple[float, float]] = []
+    memory, `at_least` shards in all, and neither count moved over the last step
+    (`all_accounted`, with no shard lost). The engine's calls must be unbounded
+    (`server_flags`): a write lost anyway fails here, naming its counter."""
+    accounted = all_accounted(ranks, at_least)
 
     def holds(m: dict[str, float]) -> bool:
         lost = {name: m.get(name, 0) for name in LOST_WRITES}
         assert not any(lost.values()), f"writes that never reached the store: {lost}"
-        stored = m.get(OFFLOAD + "stored_blocks_total", 0)
-        written = m.get(OFFLOAD + "remote_written_blocks_total", 0)
-        steady = previous == [(stored, written)]
-        previous[:] = [(stored, written)]
-        return steady and written == ranks * stored and written >= at_least
+        return accounted(m)
 
     return holds
 
 
 def all_accounted(ranks: int, at_least: int) -> Callable[[dict[str, float]], bool]:
-    """As `all_written`, but a shard the store lost or refused counts as accounted for:
-    for tests whose point is what is read back, where a write lost costs a miss (a
-    Mooncake segment near full refuses puts until its eviction, which a loaded machine
-    runs late, has made room)."""
+    """Each of the engine's `ranks` wrote, or counted lost, its shard of every block
+    stored in host memory, `at_least` shards in all, and neither count moved over the
+    last step. For tests whose point is what is read back, where a write lost costs a
+    miss (a Mooncake segment near full refuses puts until its eviction, which a loaded
+    machine runs late, has made room).
+
+    The stored and written counters move a step apart (a store is counted by the
+    scheduler, its write by the worker once the write's call returned), so equal
+    counts alone can hold before the last document's stores are counted: the lower
+    bound and the step without change rule that out.
+    """
     previous: list[tuple[float, float]] = []
 
     def holds(m: dict[str, float]) -> bool:
