@@ -24,7 +24,7 @@ took "set-up, ruff and mypy"
 PARALLEL=()
 if [ "$#" -eq 0 ]; then PARALLEL=(-n 2 --dist loadfile); fi
 set +e
-"$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" "$@"
+"$PY" -m pytest -q -p no:cacheprovider --durations=40 "${PARALLEL[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "no tests ran"; exit 1; fi

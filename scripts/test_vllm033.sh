@@ -21,6 +21,6 @@ PY="${VENV033:-.venv-vllm033}/bin/python"
 export VLLM_TARGET_DEVICE=cpu
 "$PY" -c "import vllm; assert vllm.__version__.startswith('0.33.0'), vllm.__version__"
 # Two pytest-xdist processes, a file to each at a time, as scripts/test.sh runs the rest.
-"$PY" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --only-vllm-dependent \
+"$PY" -m pytest -q -p no:cacheprovider --durations=20 -n 2 --dist loadfile --only-vllm-dependent \
   tests/unit tests/vllm_helpers tests/e2e/test_bf16_exact.py tests/e2e/test_hybrid_model.py \
   tests/remote/test_worker_remote_io.py "$@"
