@@ -23,7 +23,8 @@ Needs vLLM 0.33.0 with the series' [3/8] (scripts/patched_vllm033.sh) first on t
 
     PYTHONPATH="$OVERLAY:$PWD" .venv-vllm033/bin/python \\
         -m benchmarks.admission_replay [--trace PATH] [--docs 16 32 64] \\
-        [--host-blocks 2000 4000 8000] [--limit N]
+        [--device-blocks 256] [--loop-host-blocks 960] \\
+        [--host-blocks 2000 4000 8000 | --host-blocks] [--limit N]
     # prints two tables and one `RESULT {json}` line
 """
 
@@ -108,17 +109,42 @@ def replay_hits(
     return hits
 
 
-def run(docs: list[int], host_blocks: list[int], limit: int | None) -> dict[str, Any]:
-    loop_rows = []
+def loop_rows(
+    docs: Sequence[int], device_blocks: Sequence[int], host_blocks: Sequence[int]
+) -> list[dict[str, Any]]:
+    """Host-hit tokens of the re-read for every arm at each size."""
+    rows = []
     for n in docs:
         requests = document_loop(n)
-        for arm, make in ARMS.items():
-            tier = make(HOST_BLOCKS_LOOP)
-            blocks = replay_hits(requests, DEVICE_BLOCKS_LOOP, tier, n)
-            loop_rows.append(
-                {"docs": n, "arm": arm, "host_hit_tokens": blocks * BLOCK_TOKENS_LOOP}
-            )
-            print(f"loop {n:>3} {arm:<22} {blocks * 32:>7}", file=sys.stderr)
+        for device in device_blocks:
+            for capacity in host_blocks:
+                for arm, make in ARMS.items():
+                    tokens = BLOCK_TOKENS_LOOP * replay_hits(
+                        requests, device, make(capacity), n
+                    )
+                    rows.append({"docs": n, "device_blocks": device,
+                                 "host_blocks": capacity, "arm": arm,
+                                 "host_hit_tokens": tokens})  # fmt: skip
+                    print(f"loop {n:>3} {device:>5} {capacity:>5} {arm:<22} "
+                          f"{tokens:>7}", file=sys.stderr)  # fmt: skip
+    return rows
+
+
+def run(
+    docs: list[int],
+    device_blocks: list[int],
+    loop_host_blocks: list[int],
+    host_blocks: list[int],
+    limit: int | None,
+) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "loop": {"device_blocks": device_blocks, "host_blocks": loop_host_blocks,
+                 "doc_blocks": DOC_BLOCKS,
+                 "rows": loop_rows(docs, device_blocks, loop_host_blocks)},
+        "trace": None,
+    }  # fmt: skip
+    if not host_blocks:
+        return result
     trace = load_trace(limit)
     trace_rows = []
     for capacity in host_blocks:
@@ -127,41 +153,62 @@ def run(docs: list[int], host_blocks: list[int], limit: int | None) -> dict[str,
             row = {"host_blocks": capacity, "arm": arm, "host_hits": blocks}
             trace_rows.append(row)
             print(f"trace {capacity:>5} {arm:<22} {blocks:>7}", file=sys.stderr)
-    return {
-        "loop": {"device_blocks": DEVICE_BLOCKS_LOOP, "host_blocks": HOST_BLOCKS_LOOP,
-                 "doc_blocks": DOC_BLOCKS, "rows": loop_rows},
-        "trace": {"requests": len(trace), "gpu_blocks": 1000, "rows": trace_rows},
-    }  # fmt: skip
+    result["trace"] = {"requests": len(trace), "gpu_blocks": 1000, "rows": trace_rows}
+    return result
 
 
 def print_tables(result: dict[str, Any]) -> None:
     arms = list(ARMS)
-    print("host-hit tokens, long-document re-read (device 256 blocks, host 960)")
-    print(f"{'docs':>5} " + "".join(f"{a:>23}" for a in arms))
-    by = {(r["docs"], r["arm"]): r["host_hit_tokens"] for r in result["loop"]["rows"]}
-    for n in sorted({r["docs"] for r in result["loop"]["rows"]}):
-        print(f"{n:>5} " + "".join(f"{by[n, a]:>23,}" for a in arms))
+    rows = result["loop"]["rows"]
+    by = {
+        (r["docs"], r["device_blocks"], r["host_blocks"], r["arm"]): r[
+            "host_hit_tokens"
+        ]
+        for r in rows
+    }
+    for device in result["loop"]["device_blocks"]:
+        for capacity in result["loop"]["host_blocks"]:
+            print(f"host-hit tokens, long-document re-read (device {device} blocks, "
+                  f"host {capacity})")  # fmt: skip
+            print(f"{'docs':>5} " + "".join(f"{a:>23}" for a in arms))
+            for n in sorted({r["docs"] for r in rows}):
+                cells = "".join(f"{by[n, device, capacity, a]:>23,}" for a in arms)
+                print(f"{n:>5} {cells}")
+    if result["trace"] is None:
+        return
     print("host-hit blocks, conversation trace (device 1,000 blocks)")
     print(f"{'host':>5} " + "".join(f"{a:>23}" for a in arms))
     rows = result["trace"]["rows"]
-    by = {(r["host_blocks"], r["arm"]): r["host_hits"] for r in rows}
+    hits = {(r["host_blocks"], r["arm"]): r["host_hits"] for r in rows}
     for c in sorted({r["host_blocks"] for r in rows}):
-        print(f"{c:>5} " + "".join(f"{by[c, a]:>23,}" for a in arms))
+        print(f"{c:>5} " + "".join(f"{hits[c, a]:>23,}" for a in arms))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument(
-        "--host-blocks", type=int, nargs="+", default=[2000, 4000, 8000]
-    )
+        "--device-blocks", type=int, nargs="+", default=[DEVICE_BLOCKS_LOOP],
+        help="the loop's device prefix cache, blocks",
+    )  # fmt: skip
+    parser.add_argument(
+        "--loop-host-blocks", type=int, nargs="+", default=[HOST_BLOCKS_LOOP],
+        help="the loop's host tier, blocks",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-blocks", type=int, nargs="*", default=[2000, 4000, 8000],
+        help="the trace's host tier, blocks; none: no trace",
+    )  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--trace", type=Path, default=trace_replay.TRACE)
     args = parser.parse_args()
-    if not args.trace.is_file():
+    if args.host_blocks and not args.trace.is_file():
         parser.error(f"no trace at {args.trace}; pass --trace PATH")
     trace_replay.TRACE = args.trace
-    result = run(args.docs, args.host_blocks, args.limit)
+    result = run(
+        args.docs, args.device_blocks, args.loop_host_blocks, args.host_blocks,
+        args.limit,
+    )  # fmt: skip
     print_tables(result)
     print_result(result)
 

@@ -27,6 +27,7 @@ Flag semantics (also in the README):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -399,7 +400,8 @@ def _patch_create_engine_config(engine_args_cls: Any) -> None:
             self.kv_transfer_config = _kv_transfer_config_for(
                 config, self.kv_transfer_config
             )
-        vllm_config = original_create(self, *args, **kwargs)
+        with _vllms_own_flags_off(self, config is not None):
+            vllm_config = original_create(self, *args, **kwargs)
         if config is not None:
             try:
                 check_engine(vllm_config, config)
@@ -412,6 +414,29 @@ def _patch_create_engine_config(engine_args_cls: Any) -> None:
         return vllm_config
 
     engine_args_cls.create_engine_config = create_engine_config
+
+
+# Flags a vLLM may declare itself with the same spelling (the upstream series' [8/8]
+# makes them a spelling of --kv-offloading-size), and the value that turns each off.
+_VLLM_SPELLINGS = {"enable_cpu_offload": False, "swap_space": None}
+
+
+@contextlib.contextmanager
+def _vllms_own_flags_off(engine_args: Any, plugin_serves: bool) -> Any:
+    """While the plugin serves the flags, a vLLM that reads them too (as fields of
+    its own EngineArgs) sees them off, so that it does not also turn on its own
+    OffloadingConnector, whose class name would land on the plugin's module."""
+    own = (
+        {f.name for f in dataclasses.fields(type(engine_args))} if plugin_serves else ()
+    )
+    saved = {n: getattr(engine_args, n) for n in _VLLM_SPELLINGS if n in own}
+    for name in saved:
+        setattr(engine_args, name, _VLLM_SPELLINGS[name])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(engine_args, name, value)
 
 
 def _wrap_init(original: Any) -> Any:
