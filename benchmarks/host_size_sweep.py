@@ -64,6 +64,14 @@ TIER_ARMS = {
     "plugin": "plugin",
 }
 BASELINES = ("none", "none+tier_bytes")
+# The replayed rules the plot draws (benchmarks/admission_replay.py's arms).
+REPLAY_LINES = {
+    "vLLM lru": "lru",
+    "vLLM arc": "arc",
+    "vLLM doorkeeper_lru ([3/8])": "doorkeeper_lru",
+    "vLLM + prefix_aware (admit, [3/8])": "prefix_aware",
+    "plugin (prefix_aware)": "plugin",
+}
 HOST_HITS = "vllm:external_prefix_cache_hits"
 
 
@@ -220,13 +228,13 @@ def plot(args: argparse.Namespace, summary: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2, n, figsize=(5.5 * n, 7.5), squeeze=False)
     for col, device in enumerate(args.device_docs):
         top, bottom = axes[0][col], axes[1][col]
-        for arm, policy in TIER_ARMS.items():  # every policy replayed
+        for label, policy in REPLAY_LINES.items():
             pts = sorted(
                 (r["host_blocks"] / ws, r["host_hit_tokens"])
                 for r in summary["replay"]
                 if r["arm"] == policy and r["device_blocks"] == device * args.doc_blocks
             )
-            top.plot([x for x, _ in pts], [y for _, y in pts], marker=".", label=arm)
+            top.plot([x for x, _ in pts], [y for _, y in pts], marker=".", label=label)
         blocks = device * args.doc_blocks
         top.set_title(f"device cache {device} documents ({blocks} blocks)")
         top.set_xlabel("host tier / working set")

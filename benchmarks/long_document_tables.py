@@ -121,10 +121,15 @@ def _print_answers(
 ) -> None:
     """The model's answers to the first documents' questions, read after the re-read
     phase (from host memory with the tier), in every arm."""
-    answers = [p[arm][-1].get("answers") for p in pairs for arm in arms]
+    # The entry of the last re-read carries them (a no-reuse entry may follow it).
+    answers = [
+        next((e["answers"] for e in p[arm] if e.get("answers")), None)
+        for p in pairs
+        for arm in arms
+    ]
     if not all(answers):
         return
-    first = pairs[0][arms[0]][-1]["answers"]
+    first = answers[0]
     same = all(a == first for a in answers)
     summary["answers"] = first
     summary["answers_equal"] = same
