@@ -129,7 +129,7 @@ def _print_answers(
     ]
     if not all(answers):
         return
-    first = answers[0]
+    first: list[dict[str, str]] = answers[0] or []
     same = all(a == first for a in answers)
     summary["answers"] = first
     summary["answers_equal"] = same

@@ -6,6 +6,7 @@ also turn on its own connector while the plugin serves the flags: during vLLM's 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,7 @@ def test_on_this_vllm_the_flags_are_the_plugins_alone() -> None:
 
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     assert not names & set(flags._VLLM_SPELLINGS), "this vLLM spells the flags itself"
-    args = EngineArgs(model="m", enable_cpu_offload=True, swap_space=1.0)
+    # The plugin's __init__ takes the flags (vLLM's own signature does not).
+    args: Any = EngineArgs(model="m", enable_cpu_offload=True, swap_space=1.0)  # type: ignore[call-arg]
     with flags._vllms_own_flags_off(args, plugin_serves=True):
         assert args.enable_cpu_offload is True  # not vLLM's field: the plugin's own
