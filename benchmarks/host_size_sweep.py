@@ -46,7 +46,9 @@ from benchmarks.long_document_qa import (  # noqa: E402
     resolve_sizing,
     shape_of,
 )
+from benchmarks.long_document_tables import fmt  # noqa: E402
 from benchmarks.side_by_side import (  # noqa: E402
+    blocks,
     build_overlay,
     engine_env,
     machine,
@@ -96,8 +98,8 @@ def replay(args: argparse.Namespace, env: dict[str, str], logs: Path) -> list[di
 
 def engine_argv(args: argparse.Namespace, device_docs: int, ratio: float) -> list[str]:
     shape = shape_of(args.layers)
-    blocks = host_blocks(ratio, working_set_blocks(args.docs, args.doc_tokens))
-    host_gib = blocks * block_bytes(shape, args.dtype) / (1 << 30)
+    host = host_blocks(ratio, working_set_blocks(args.docs, args.doc_tokens))
+    host_gib = host * block_bytes(shape, args.dtype) / (1 << 30)
     return [
         "--engine-run", "--dtype", args.dtype, "--layers", str(args.layers),
         "--device-blocks", str(device_docs * args.doc_blocks),
@@ -194,12 +196,6 @@ def summarize(
     return {"working_set_blocks": ws, "engine": table, "replay": replayed}
 
 
-def _fmt(s: dict[str, float] | None, unit: str) -> str:
-    if s is None:
-        return ""
-    return f"{s['median']:.2f}{unit} ({s['min']:.2f}-{s['max']:.2f})"
-
-
 def print_table(summary: dict[str, Any]) -> None:
     print(f"\nworking set {summary['working_set_blocks']} blocks")
     print(f"{'device':>6} {'host':>5} {'arm':<18} {'hit tokens':>11} {'replayed':>9} "
@@ -207,10 +203,10 @@ def print_table(summary: dict[str, Any]) -> None:
           "outputs")  # fmt: skip
     for r in summary["engine"]:
         measured = "/".join(f"{h:,.0f}" for h in r["host_hit_tokens"])
-        over = [_fmt(r.get(f"over_{b}"), "x") for b in BASELINES]
+        over = [fmt(r[f"over_{b}"]) if f"over_{b}" in r else "" for b in BASELINES]
         print(f"{r['device_docs']:>6} {r['ratio']:>4}x {r['arm']:<18} {measured:>11} "
               f"{r.get('replayed_hit_tokens', ''):>9} "
-              f"{_fmt(r['ttft_sum_s'], ' s'):>20} {over[0]:>18} {over[1]:>18} "
+              f"{fmt(r['ttft_sum_s'], ' s'):>20} {over[0]:>18} {over[1]:>18} "
               f"{r['outputs_equal']}/{r['requests']}")  # fmt: skip
 
 
@@ -303,7 +299,7 @@ def main() -> None:
     if missing:
         raise SystemExit(f"add {sorted(missing)} to --replay-ratios: every engine "
                          "ratio is replayed too")  # fmt: skip
-    args.doc_blocks = -(-args.doc_tokens // BLOCK_SIZE)
+    args.doc_blocks = blocks(args.doc_tokens)
     overlay = build_overlay(args.patches.resolve(), args.overlay_dir.resolve())
     env = engine_env(overlay)
     args.quick = False
