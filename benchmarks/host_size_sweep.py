@@ -21,6 +21,8 @@ Run it with the vLLM 0.33.0 environment's Python, as benchmarks/side_by_side.py:
     .venv-vllm033/bin/python benchmarks/host_size_sweep.py
     # -> benchmarks/results/host_size_sweep.json, a table on stdout,
     #    host_size_sweep.png beside the JSON
+    .venv-vllm033/bin/python benchmarks/host_size_sweep.py --replay-into RUN.json
+    # the replay of that run's grid again, its engine cells kept (a changed replay)
 """
 
 from __future__ import annotations
@@ -278,7 +280,27 @@ def _parser() -> argparse.ArgumentParser:
         "--plot-from", type=Path, default=None,
         help="plot a run's JSON (any environment with matplotlib), run nothing",
     )  # fmt: skip
+    parser.add_argument(
+        "--replay-into", type=Path, default=None,
+        help="replay a run's grid again and write it into the run's JSON beside its "
+        "engine cells, which are kept (no engine runs)",
+    )  # fmt: skip
     return parser
+
+
+def replay_into(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """A changed replay against the engines an earlier run measured: the run's
+    sizes, its engine rows as they were, the replay and the summary new."""
+    path = args.replay_into
+    run = json.loads(path.read_text())
+    keep = ("out", "plot_from", "replay_into", "patches", "overlay_dir")
+    vars(args).update({k: v for k, v in run["args"].items() if k not in keep})
+    replayed = replay(args, env, path.parent / "host_size_sweep_logs")
+    run["summary"] = summarize(args, replayed, run["engines"])
+    run["replay_again"] = {"date": time.strftime("%Y-%m-%d"), "machine": machine()}
+    path.write_text(json.dumps(run, indent=1))
+    print_table(run["summary"])
+    print(f"json: {path} (plot it with --plot-from)")
 
 
 def main() -> None:
@@ -302,6 +324,9 @@ def main() -> None:
     args.doc_blocks = blocks(args.doc_tokens)
     overlay = build_overlay(args.patches.resolve(), args.overlay_dir.resolve())
     env = engine_env(overlay)
+    if args.replay_into is not None:
+        replay_into(args, env)
+        return
     args.quick = False
     args.dtype, args.layers, rates = resolve_sizing(args)
     info = {"machine": machine(), "uptime_start": uptime(),

@@ -187,9 +187,14 @@ class VllmTier:
             loaded = okeys[gpu_hits : gpu_hits + h]
             mgr.prepare_load(loaded, ctx)
             mgr.complete_load(loaded, ctx)
-        if gpu_hits:
-            mgr.touch(okeys[:gpu_hits], ctx)
-        out = mgr.prepare_store(okeys, ctx)
+        # As vLLM 0.33.0's connector drives the manager: it never calls `touch`
+        # (`CPUOffloadingManager.touch`, v1/kv_offload/cpu/manager.py:244, has no
+        # caller in offloading/scheduler.py), so a policy hears of device hits only as
+        # existing keys of a store offer. After a host load the offer starts past the
+        # loaded chunks (`next_stored_chunk_idx = num_chunks`, scheduler.py:1469-1472);
+        # without one, at chunk 0 (the field's default, scheduler.py:339).
+        offer = okeys[gpu_hits + h :] if h else okeys
+        out = mgr.prepare_store(offer, ctx) if offer else None
         if out is not None and out.keys_to_store:
             mgr.complete_store(out.keys_to_store, ctx)
         mgr.on_request_finished(ctx)
