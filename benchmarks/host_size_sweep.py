@@ -295,7 +295,7 @@ def replay_into(args: argparse.Namespace, env: dict[str, str]) -> None:
     run = json.loads(path.read_text())
     keep = ("out", "plot_from", "replay_into", "patches", "overlay_dir")
     vars(args).update({k: v for k, v in run["args"].items() if k not in keep})
-    replayed = replay(args, env, path.parent / "host_size_sweep_logs")
+    replayed = replay(args, env, RESULTS / "host_size_sweep_logs")
     run["summary"] = summarize(args, replayed, run["engines"])
     run["replay_again"] = {"date": time.strftime("%Y-%m-%d"), "machine": machine()}
     path.write_text(json.dumps(run, indent=1))
