@@ -20,12 +20,15 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("vllm_cpu_offload", "tests")
+OURS = ("vllm_cpu_offload", "tests", "benchmarks")
+# The benchmarks put their folder first on sys.path and import each other by bare
+# name (`import trace_replay`), and so do the tests of them.
+BENCHMARKS = REPO / "benchmarks"
 # "from vllm...", "import vllm" in code that a test runs in a subprocess.
 VLLM_IN_CODE = re.compile(r"\b(?:from|import)\s+vllm\b(?!_)")
 # A dotted module path of this repository in a string: "tests.external_policy.fifo:X",
 # "python -m tests.e2e.long_document_run", "py://vllm_cpu_offload.testing...".
-OUR_MODULE_IN_TEXT = re.compile(r"\b(?:vllm_cpu_offload|tests)(?:\.\w+)+")
+OUR_MODULE_IN_TEXT = re.compile(r"\b(?:vllm_cpu_offload|tests|benchmarks)(?:\.\w+)+")
 PACKAGE_INIT = REPO / "vllm_cpu_offload" / "__init__.py"
 
 
@@ -34,7 +37,8 @@ def module_file(name: str) -> Path | None:
     attribute rather than a module)."""
     parts = name.split(".")
     if parts[0] not in OURS:
-        return None
+        bare = BENCHMARKS / f"{parts[0]}.py"
+        return bare if bare.is_file() and len(parts) <= 2 else None
     base = REPO.joinpath(*parts)
     for candidate in (base / "__init__.py", base.with_suffix(".py")):
         if candidate.is_file():
